@@ -1,0 +1,1 @@
+"""The Lark grammar of tnspec, installed as the package data ``tnspec.grammar``."""

@@ -1,0 +1,61 @@
+"""The ``tnspec`` command line: check, exit codes, FILE:LINE:COL errors."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tnspec import __version__
+from tnspec.cli import main
+
+from .conftest import EXAMPLES, ROOT
+
+
+def test_check_examples_prints_one_summary_per_layer(capsys):
+    assert main(["check", *map(str, EXAMPLES)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    n_layers = sum(p.read_text().count("\nlayer ") + p.read_text().startswith("layer ")
+                   for p in EXAMPLES)
+    assert len(lines) == n_layers
+    assert any(line.endswith("htk2: 3 cores, 8,720 parameters (dense 36,864, 4.2x fewer), "
+                             "2-D conv, hyperedge phi") for line in lines)
+
+
+def test_check_reports_file_line_column_and_exit_2(tmp_path, capsys):
+    bad = tmp_path / "bad.tn"
+    bad.write_text("# a layer with two mistakes\nlayer l(c=4) {\n"
+                   "    x[b, c, h+k+1], W[c, o, k] -> y[b, o, h]\n}\n")
+    assert main(["check", str(bad), str(EXAMPLES[0])]) == 2
+    out = capsys.readouterr()
+    assert f"{bad}:3:13: error: constant +1 in 'h+k+1' means negative padding" in out.err
+    assert f"{bad}:3:26: error: core index 'o' has no size" in out.err
+    assert "    x[b, c, h+k+1], W[c, o, k] -> y[b, o, h]\n" in out.err
+    assert "\n              ^^^^^\n" in out.err
+    assert "hint: write the padding as a subtraction" in out.err
+    assert str(EXAMPLES[0]) in out.out  # the good file is still checked
+
+
+def test_unreadable_file(capsys):
+    assert main(["check", "no/such/file.tn"]) == 2
+    assert "no/such/file.tn: error: cannot read the file" in capsys.readouterr().err
+
+
+def test_version_and_help(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0 and capsys.readouterr().out.strip() == f"tnspec {__version__}"
+    assert main([]) == 1
+    assert "check" in capsys.readouterr().out
+
+
+def test_console_script_works_from_another_directory(tmp_path):
+    exe = "tnspec" if os.name != "nt" else "tnspec.exe"
+    script = os.path.join(os.path.dirname(sys.executable), exe)
+    cmd = [script] if os.path.exists(script) else [sys.executable, "-m", "tnspec"]
+    proc = subprocess.run([*cmd, "check", str(ROOT / "examples" / "htk2.tn")], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "htk2: 3 cores" in proc.stdout

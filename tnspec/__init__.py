@@ -1,0 +1,21 @@
+"""tnspec: compile einsum-like tensor-network strings into initialized PyTorch layers.
+
+    >>> import tnspec
+    >>> net = tnspec.compile("x[b, c, h+kh-1], W[o, c, kh] -> y[b, o, h]", c=4, o=8, kh=3)
+    >>> net.summary()
+    '1 core, 96 parameters (dense 96, 1.0x fewer), 1-D conv'
+
+Stages, one module each: parse (text -> AST), check (AST -> ir.Network), ir (the data model),
+api (entry points) and cli (the ``tnspec`` command).
+"""
+
+from .api import compile, compile_all
+from .errors import SpecError
+from .ir import Conv, Index, Network, Options, Role, Tensor
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Conv", "Index", "Network", "Options", "Role", "SpecError", "Tensor",
+    "__version__", "compile", "compile_all",
+]

@@ -1,0 +1,307 @@
+"""Stage 2, check: AST -> ir.Network, reporting every semantic error at once.
+
+:func:`check` picks one layer of a parsed document, binds its sizes and options (``settings``),
+validates the network and builds the IR.
+All problems found are raised together as one :class:`SpecError` whose ``errors`` lists each.
+"""
+
+from __future__ import annotations
+
+import difflib
+from typing import Any, Mapping
+
+from .errors import Span, SpecError
+from .ir import Conv, Index, Network, Options, Role, Tensor, assign_roles
+from .parse import Document, IndexNode, LayerNode, NetworkNode, OperandNode
+from .settings import SizeBinder, read_options
+
+DEFAULT_MAX_ELEMENTS = 2**31
+
+#: attributes of torch.nn.Module (torch 2.x) and of tnspec modules; a core named like one of
+#: these could not be registered under its own name (tests keep this in step with torch)
+RESERVED_NAMES = frozenset("""
+    T_destination add_module apply bfloat16 buffers call_super_init children compile cpu cuda
+    double dump_patches eval extra_repr float forward get_buffer get_extra_state get_parameter
+    get_submodule half ipu load_state_dict modules mtia named_buffers named_children
+    named_modules named_parameters parameters register_backward_hook register_buffer
+    register_forward_hook register_forward_pre_hook register_full_backward_hook
+    register_full_backward_pre_hook register_load_state_dict_post_hook
+    register_load_state_dict_pre_hook register_module register_parameter
+    register_state_dict_post_hook register_state_dict_pre_hook requires_grad_ set_extra_state
+    set_submodule share_memory state_dict to to_empty train training type xpu zero_grad
+    bias spec sizes network plan reset_parameters self torch
+""".split())
+
+
+def check(doc: Document, *, layer: str | None = None, sizes: Mapping[str, Any] | None = None,
+          max_elements: int = DEFAULT_MAX_ELEMENTS) -> Network:
+    """Check one layer of ``doc`` with keyword ``sizes`` and build its :class:`Network`."""
+    node = select_layer(doc, layer)
+    checker = _Checker(doc, node, max_elements)
+    net = checker.run(dict(sizes or {}))
+    if checker.errors:
+        first = checker.errors[0]
+        raise SpecError(first.message, span=first.span, source=first.source, hint=first.hint,
+                        errors=checker.errors)
+    assert net is not None
+    return net
+
+
+def select_layer(doc: Document, name: str | None) -> LayerNode:
+    names = [lay.name for lay in doc.layers]
+    if name is None:
+        if len(doc.layers) == 1:
+            return doc.layers[0]
+        raise SpecError(f"the file has {len(names)} layers ({', '.join(map(str, names))}); "
+                        "say which one", hint="pass name=... (or --layer NAME)")
+    for lay in doc.layers:
+        if lay.name == name:
+            return lay
+    close = difflib.get_close_matches(name, [n for n in names if n], n=1)
+    raise SpecError(f"no layer named {name!r}; the file has {', '.join(map(str, names))}",
+                    hint=f"did you mean {close[0]!r}?" if close else None)
+
+
+class _Checker:
+    def __init__(self, doc: Document, layer: LayerNode, max_elements: int) -> None:
+        self.doc, self.layer, self.max_elements = doc, layer, max_elements
+        self.errors: list[SpecError] = []
+        self.bad_sizes: set[str] = set()
+
+    def error(self, message: str, span: Span | None, hint: str | None = None) -> None:
+        self.errors.append(SpecError(message, span=span, source=self.doc.source, hint=hint))
+
+    # ---- driver -----------------------------------------------------------------------------
+
+    def run(self, overrides: dict[str, Any]) -> Network | None:
+        lay = self.layer
+        if len(lay.networks) != 1:
+            self.error(f"layer {lay.name!r} has {len(lay.networks)} networks; it needs exactly one",
+                       lay.networks[1].span if len(lay.networks) > 1 else lay.name_span,
+                       "write one 'x[...], ... -> y[...]' per layer")
+            return None
+        options = read_options(lay, self.error)
+        net = lay.networks[0]
+        written = {n for o in (*net.operands, net.output) for i in o.indices for n in i.names}
+        binder = SizeBinder(lay, self.error)
+        env = binder.bind(overrides, written)
+        self.bad_sizes = binder.bad
+        return self.network(net, env, options)
+
+    # ---- sizes ------------------------------------------------------------------------------
+
+    def network(self, net: NetworkNode, env: dict[str, int], options: Options) -> Network | None:
+        data, *cores = net.operands
+        result = net.output
+        if not cores:
+            self.error("the network has no core", data.span,
+                       "add a learnable operand after the input, e.g. 'W[i, o]'")
+        self.operand_names(net)
+        for node in net.operands[1:]:
+            for ix in node.indices:
+                if ix.kind == "group":
+                    self.error(f"group {ix.text} in core {node.name!r}: cores take single indices",
+                               ix.span, "write the indices separately, e.g. W[i0, i1, o]")
+        for node in (*cores, result):
+            for ix in node.indices:
+                if ix.kind == "affine":
+                    self.error(f"affine index '{ix.text}' outside the input operand", ix.span,
+                               "affine terms describe input positions; write them in the first "
+                               "operand only")
+        for node in (data, result):
+            for ix in node.indices:
+                if ix.kind == "group" and len(ix.names) < 2:
+                    self.error(f"group {ix.text} needs at least two names", ix.span,
+                               f"write {ix.names[0]} without parentheses" if ix.names else
+                               "remove the empty parentheses")
+        core_names = {n for c in cores for i in c.indices for n in i.names}
+        out_names = [n for i in result.indices for n in i.names]
+        convs = [c for c in (self.relation(ix, core_names, set(out_names))
+                             for ix in data.indices if ix.kind == "affine") if c]
+        self.unique_relations(convs, data)
+        data_t, result_t = self.tensor(data, convs), self.tensor(result, convs)
+        core_tensors = tuple(self.tensor(c, convs) for c in cores)
+        roles = assign_roles(data_t, core_tensors, result_t, [c for c, _ in convs])
+        self.roles_valid(net, roles, convs)
+        indices = tuple(self.index(name, role, env, net) for name, role in roles.items())
+        self.groups_sized(net, env)
+        network = Network(data_t, core_tensors, result_t, indices,
+                          tuple(c for c, _ in convs), self.layer.name, options)
+        if not self.errors:
+            for core, node in zip(core_tensors, cores):
+                n = network.core_numel(core)
+                if n > self.max_elements:
+                    dims = " x ".join(str(env.get(i, "?")) for i in core.indices)
+                    self.error(f"core {core.name!r} would have {n:,} elements ({dims}), more than "
+                               f"the limit of {self.max_elements:,}", node.span,
+                               "lower its sizes, or raise max_elements")
+        return network
+
+    def operand_names(self, net: NetworkNode) -> None:
+        seen: dict[str, OperandNode] = {}
+        data = net.operands[0]
+        for i, node in enumerate((*net.operands, net.output)):
+            is_core = 0 < i <= len(net.operands) - 1
+            if node.name in seen:
+                first = seen[node.name]
+                what = ("the input" if first is data else "the output" if first is net.output
+                        else "another core")
+                self.error(f"operand name {node.name!r} is used twice"
+                           + (f" (a core named like {what})" if is_core else ""),
+                           node.name_span, "give every operand its own name")
+            seen[node.name] = node
+            if is_core and (node.name in RESERVED_NAMES or node.name.startswith("_")):
+                self.error(f"core name {node.name!r} clashes with an attribute of the generated "
+                           "module", node.name_span, f"rename it, e.g. {node.name.strip('_')}_w")
+            seen_ix: set[str] = set()
+            for ix in node.indices:
+                for n in (ix.names if ix.kind != "affine" else ()):
+                    if n in seen_ix:
+                        self.error(f"index {n!r} appears twice in {node.name!r}", ix.span,
+                                   "an operand carries each index once (no diagonals)")
+                    seen_ix.add(n)
+
+    def relation(self, ix: IndexNode, core_names: set[str],
+                 out_names: set[str]) -> tuple[Conv, IndexNode] | None:
+        """The conv relation written by the affine index ``ix`` (input position)."""
+        named = [t for t in ix.terms if t.name is not None]
+        in_out = [t for t in named if t.name in out_names]
+        if len(in_out) > 1 and any(t.name not in core_names for t in in_out):
+            # the position is the output name no core carries; the others are kernels
+            for t in in_out:
+                if t.name in core_names:
+                    self.error(f"kernel index {t.name!r} appears in the output", t.span,
+                               "a kernel window is summed; remove it from the output")
+                    return None
+        targets = [t for t in named if t.name in out_names]
+        kernels = [t for t in named if t.name not in out_names]
+        constant = sum(t.coef for t in ix.terms if t.name is None)
+        ok = True
+        if len({t.name for t in named}) != len(named):
+            self.error(f"affine index '{ix.text}' names an index twice", ix.span,
+                       "write each index once, with its coefficient, e.g. '2*h+kh-1'")
+            return None
+        if len(targets) != 1:
+            ok = False
+            if targets:
+                self.error(f"affine index '{ix.text}' has {len(targets)} output indices "
+                           f"({', '.join(str(t.name) for t in targets)})", ix.span,
+                           "one output position per axis, e.g. 'h+kh-1'")
+            else:
+                self.error(f"affine index '{ix.text}' has no output index", ix.span,
+                           "name the output position it depends on, e.g. 'h+kh-1'")
+        if len(kernels) > 1:
+            ok = False
+            self.error(f"affine index '{ix.text}' has {len(kernels)} kernel indices", ix.span,
+                       "one kernel window per axis")
+        for k in kernels:
+            if k.name not in core_names:
+                ok = False
+                self.error(f"kernel index {k.name!r} of '{ix.text}' is carried by no core",
+                           k.span, f"add {k.name!r} to the core that holds the kernel, or add "
+                           f"{k.name!r} to the output if it is the output position")
+        if constant > 0:
+            ok = False
+            self.error(f"constant +{constant} in '{ix.text}' means negative padding", ix.span,
+                       "write the padding as a subtraction, e.g. 'h+kh-1' for padding 1")
+        stride = targets[0].coef if targets else 1
+        dilation = kernels[0].coef if kernels else 1
+        for what, value, term in (("stride", stride, targets), ("dilation", dilation, kernels)):
+            if value <= 0:
+                ok = False
+                self.error(f"{what} {value} in '{ix.text}' must be a positive integer",
+                           term[0].span, f"write a {what} of 1 or more")
+        if not ok:
+            return None
+        conv = Conv(source="", target=str(targets[0].name),
+                    kernel=str(kernels[0].name) if kernels else None,
+                    stride=stride, dilation=dilation, padding=-constant)
+        return Conv(conv.text, conv.target, conv.kernel, stride, dilation, -constant), ix
+
+    def unique_relations(self, convs: list[tuple[Conv, IndexNode]], data: OperandNode) -> None:
+        plain = {n for ix in data.indices if ix.kind != "affine" for n in ix.names}
+        for attr in ("target", "kernel"):
+            seen: set[str] = set()
+            for conv, ix in convs:
+                name = getattr(conv, attr)
+                if name is None:
+                    continue
+                if name in seen:
+                    self.error(f"index {name!r} is used by two affine indices", ix.span,
+                               "each spatial axis needs its own output and kernel index")
+                if name in plain:
+                    self.error(f"index {name!r} is both a plain input index and part of "
+                               f"'{ix.text}'", ix.span, "rename one of them")
+                seen.add(name)
+
+    def tensor(self, node: OperandNode, convs: list[tuple[Conv, IndexNode]]) -> Tensor:
+        by_node = {id(ix): conv for conv, ix in convs}
+        axes = []
+        for ix in node.indices:
+            if ix.kind == "affine":
+                conv = by_node.get(id(ix))
+                axes.append((conv.source if conv else ix.text,))
+            else:
+                axes.append(ix.names)
+        return Tensor(node.name, tuple(axes))
+
+    def roles_valid(self, net: NetworkNode, roles: dict[str, Role],
+                    convs: list[tuple[Conv, IndexNode]]) -> None:
+        data, *cores = net.operands
+        kernels = {c.kernel for c, _ in convs}
+        targets = {c.target for c, _ in convs}
+        first: dict[str, Span] = {}
+        for node in (*net.operands, net.output):
+            for ix in node.indices:
+                if ix.kind != "affine":
+                    for n in ix.names:
+                        first.setdefault(n, ix.span)
+        data_names = {n for ix in data.indices if ix.kind != "affine" for n in ix.names}
+        core_names = {n for c in cores for ix in c.indices for n in ix.names}
+        # names inside affine indices: any problem with them was reported at the affine index
+        affine = {n for node in (*net.operands, net.output) for ix in node.indices
+                  if ix.kind == "affine" for n in ix.names}
+        for ix in net.output.indices:
+            for n in ix.names:
+                if n in affine:
+                    continue
+                if n not in data_names and n not in core_names and n not in targets:
+                    self.error(f"output index {n!r} is provided by no operand", ix.span,
+                               f"add {n!r} to a core or to the input, or remove it from the output")
+        for c in cores:
+            for ix in c.indices:
+                for n in ix.names:
+                    if n in targets:
+                        self.error(f"spatial output index {n!r} cannot be carried by core "
+                                   f"{c.name!r}", ix.span, "weights shared across positions "
+                                   "carry the kernel index, not the position")
+                    elif n not in roles and n not in kernels and n not in affine:
+                        self.error(f"core index {n!r} appears in no other operand and not in the "
+                                   "output; it would be summed away silently", ix.span,
+                                   f"connect {n!r} to another core, or add it to the output")
+        for n in data_names:
+            if n not in roles:
+                self.error(f"input index {n!r} is used by no core and not in the output; it "
+                           "would be summed away silently", first[n],
+                           f"add {n!r} to the output (batch-like) or to a core")
+
+    def index(self, name: str, role: Role, env: dict[str, int], net: NetworkNode) -> Index:
+        size = env.get(name)
+        on_core = any(name in ix.names for c in net.operands[1:] for ix in c.indices)
+        spatial = role in (Role.SPATIAL_IN, Role.SPATIAL_OUT)
+        if size is None and on_core and not spatial and name not in self.bad_sizes:
+            span = next(ix.span for c in net.operands[1:] for ix in c.indices if name in ix.names)
+            hint = (f"add {name}=<size> to the layer's parameters" if self.doc.is_file
+                    else f"pass {name}=<size> to tnspec.layer")
+            self.error(f"core index {name!r} has no size", span, hint)
+        return Index(name, None if spatial else size, role)  # spatial sizes come from the data
+
+    def groups_sized(self, net: NetworkNode, env: dict[str, int]) -> None:
+        for node in (net.operands[0], net.output):
+            for ix in node.indices:
+                if ix.kind == "group":
+                    unsized = [n for n in ix.names if n not in env]
+                    if len(unsized) > 1:
+                        self.error(f"group {ix.text} has {len(unsized)} members without a size "
+                                   f"({', '.join(unsized)})", ix.span,
+                                   "give all but one of them a size; the last is inferred")

@@ -1,0 +1,244 @@
+"""The intermediate representation: a tensor network as plain, frozen data.
+
+A :class:`Network` is one *data tensor* flowing through *cores* into one *result tensor*::
+
+    Network
+      input:   Tensor   the data operand (x in a forward network, dy in a backward one)
+      cores:   Tensor*  the learnable factors, in written order
+      output:  Tensor   the result (y, or dx)
+      indices: Index*   every index once, with its size and its Role
+      convs:   Conv*    the convolution relations (the paper's dummy tensors)
+
+- ``Tensor.axes`` lists one tuple of index names per tensor dimension; a tuple of two or more
+  names is a group ``(i0 i1)`` whose dimension is the row-major product (einops convention).
+  Cores have single-name axes. ``Tensor.flipped`` names kernel indices read in reverse (the
+  reversal matrix R of the reproducing transformation; empty in forward networks).
+- ``Index.size`` is None for sizes bound from the data at run time (batch, spatial).
+- A :class:`Conv` relates a data-side spatial index ``source`` (j), a result-side index
+  ``target`` (j') and a kernel index ``kernel`` (k) by ``P[j, j', k] = 1 iff
+  j = stride * j' + dilation * k - padding``; data positions outside the tensor read as zero.
+  ``input_dilation`` > 1 first spreads the data with zeros (the transformation matrix T; backward
+  networks only). The source index of a forward relation is named by its canonical affine text,
+  e.g. ``"2*h+kh-1"``, so the name is also how the spec writes it.
+- Roles are derived from which tensors carry an index (see :func:`assign_roles`); the same rule
+  serves forward and backward networks, so nothing here assumes which tensor is "x".
+
+Nothing in this module imports torch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from enum import Enum
+from typing import Iterable, Mapping
+
+
+class Role(str, Enum):
+    """What an index does in the network (DESIGN.md section 1)."""
+
+    BATCH = "batch"              # data and result, no core: carried through untouched
+    PARALLEL = "parallel"        # data, core and result: depthwise / grouped
+    INPUT_MODE = "input-mode"    # data and core, not result: summed
+    OUTPUT_MODE = "output-mode"  # core and result, not data
+    RANK = "rank"                # two cores only: summed
+    HYPEREDGE = "hyperedge"      # three or more cores only (the paper's phi): summed
+    KERNEL = "kernel"            # the window of a conv relation, carried by cores: summed
+    SPATIAL_IN = "spatial-in"    # data-side axis of a conv relation
+    SPATIAL_OUT = "spatial-out"  # result-side axis of a conv relation
+
+    def __str__(self) -> str:
+        return self.value
+
+
+#: roles of the indices that the contraction sums over
+SUMMED_ROLES = frozenset({Role.INPUT_MODE, Role.RANK, Role.HYPEREDGE, Role.KERNEL,
+                          Role.SPATIAL_IN})
+
+
+@dataclass(frozen=True)
+class Index:
+    name: str
+    size: int | None
+    role: Role
+
+
+@dataclass(frozen=True)
+class Conv:
+    """One convolution relation: ``source = stride*target + dilation*kernel - padding``."""
+
+    source: str
+    target: str
+    kernel: str | None
+    stride: int = 1
+    dilation: int = 1
+    padding: int = 0
+    input_dilation: int = 1
+
+    def out_size(self, source_size: int, kernel_size: int) -> int:
+        """Result size by the PyTorch formula (after spreading the data by input_dilation)."""
+        n = (source_size - 1) * self.input_dilation + 1
+        return (n + 2 * self.padding - self.dilation * (kernel_size - 1) - 1) // self.stride + 1
+
+    @property
+    def text(self) -> str:
+        """The affine text, e.g. ``2*h+kh-1``."""
+        text = self.target if self.stride == 1 else f"{self.stride}*{self.target}"
+        if self.kernel is not None:
+            text += "+" + (self.kernel if self.dilation == 1 else f"{self.dilation}*{self.kernel}")
+        if self.padding:
+            text += f"-{self.padding}" if self.padding > 0 else f"+{-self.padding}"
+        return text
+
+
+@dataclass(frozen=True)
+class Tensor:
+    name: str
+    axes: tuple[tuple[str, ...], ...]
+    flipped: frozenset[str] = frozenset()
+
+    @property
+    def indices(self) -> tuple[str, ...]:
+        """Every index name of the tensor, groups flattened, in written order."""
+        return tuple(n for axis in self.axes for n in axis)
+
+
+INITS = ("graph-in", "graph-out", "graph-avg", "kaiming-in", "kaiming-out", "xavier",
+         "orthogonal", "naive")
+ACTIVATIONS = ("linear", "relu", "leaky_relu", "tanh", "sigmoid", "gelu", "silu")
+DISTRIBUTIONS = ("normal", "uniform")
+
+
+@dataclass(frozen=True)
+class Options:
+    """Per-layer options. ``activation`` is a name from ACTIVATIONS or a number (the scale p_a);
+    ``activation_param`` is the slope of leaky_relu."""
+
+    init: str = "graph-in"
+    activation: str | float = "relu"
+    activation_param: float | None = None
+    bias: bool = True
+    distribution: str = "normal"
+
+
+@dataclass(frozen=True)
+class Network:
+    input: Tensor
+    cores: tuple[Tensor, ...]
+    output: Tensor
+    indices: tuple[Index, ...]
+    convs: tuple[Conv, ...] = ()
+    name: str | None = None
+    options: Options = field(default_factory=Options)
+
+    # ---- lookups ----------------------------------------------------------------------------
+
+    def index(self, name: str) -> Index:
+        for ix in self.indices:
+            if ix.name == name:
+                return ix
+        raise KeyError(name)
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        """Every bound index size (run-time sizes are absent until bound)."""
+        return {ix.name: ix.size for ix in self.indices if ix.size is not None}
+
+    def with_role(self, *roles: Role) -> tuple[str, ...]:
+        return tuple(ix.name for ix in self.indices if ix.role in roles)
+
+    @property
+    def tensors(self) -> tuple[Tensor, ...]:
+        return (self.input, *self.cores, self.output)
+
+    def conv_of(self, name: str) -> Conv | None:
+        """The relation whose source, target or kernel is ``name``."""
+        for c in self.convs:
+            if name in (c.source, c.target, c.kernel):
+                return c
+        return None
+
+    # ---- derived data -----------------------------------------------------------------------
+
+    @property
+    def spec(self) -> str:
+        """The canonical one-line expression, without sizes."""
+        def operand(t: Tensor) -> str:
+            axes = [axis[0] if len(axis) == 1 else "(" + " ".join(axis) + ")" for axis in t.axes]
+            return f"{t.name}[{', '.join(axes)}]"
+        return ", ".join(operand(t) for t in (self.input, *self.cores)) + " -> " + \
+            operand(self.output)
+
+    def core_numel(self, core: Tensor) -> int:
+        return math.prod(self.index(n).size or 1 for n in core.indices)
+
+    @property
+    def num_parameters(self) -> int:
+        """Elements of all cores (the bias excluded)."""
+        return sum(self.core_numel(c) for c in self.cores)
+
+    @property
+    def dense_parameters(self) -> int:
+        """Elements of the equivalent dense kernel: every mode, kernel and parallel index once."""
+        dense_roles = (Role.INPUT_MODE, Role.OUTPUT_MODE, Role.KERNEL, Role.PARALLEL)
+        return math.prod(self.index(n).size or 1 for n in self.with_role(*dense_roles))
+
+    def summary(self) -> str:
+        """One line: cores, parameters against the dense kernel, conv dimensions, hyperedges."""
+        n, dense = self.num_parameters, self.dense_parameters
+        text = (f"{len(self.cores)} core{'s' * (len(self.cores) != 1)}, {n:,} parameters "
+                f"(dense {dense:,}, {dense / max(n, 1):.1f}x fewer)")
+        if self.convs:
+            text += f", {len(self.convs)}-D conv"
+        hyper = self.with_role(Role.HYPEREDGE)
+        if hyper:
+            text += f", hyperedge{'s' * (len(hyper) > 1)} {', '.join(hyper)}"
+        return text
+
+    def bind(self, sizes: Mapping[str, int]) -> "Network":
+        """The same network with run-time sizes (batch, spatial) bound."""
+        known = {ix.name for ix in self.indices}
+        unknown = set(sizes) - known
+        if unknown:
+            raise KeyError(f"no index named {sorted(unknown)[0]!r}")
+        new = tuple(replace(ix, size=int(sizes[ix.name])) if ix.name in sizes else ix
+                    for ix in self.indices)
+        return replace(self, indices=new)
+
+
+def assign_roles(data: Tensor, cores: Iterable[Tensor], result: Tensor,
+                 convs: Iterable[Conv]) -> dict[str, Role]:
+    """The role of every index, from which tensors carry it (see :class:`Role`).
+
+    Indices that fit no role (a core index on one core only, say) are left out; the checker
+    reports them.
+    """
+    convs = tuple(convs)
+    cores = tuple(cores)
+    sources = {c.source for c in convs}
+    targets = {c.target for c in convs}
+    kernels = {c.kernel for c in convs if c.kernel is not None}
+    names = dict.fromkeys([*data.indices, *(n for c in cores for n in c.indices),
+                           *result.indices])
+    roles: dict[str, Role] = {}
+    for name in names:
+        in_data = name in data.indices
+        in_result = name in result.indices
+        n_cores = sum(name in c.indices for c in cores)
+        if name in sources:
+            roles[name] = Role.SPATIAL_IN
+        elif name in targets:
+            roles[name] = Role.SPATIAL_OUT
+        elif name in kernels:
+            roles[name] = Role.KERNEL
+        elif in_data and in_result:
+            roles[name] = Role.PARALLEL if n_cores else Role.BATCH
+        elif in_data and n_cores:
+            roles[name] = Role.INPUT_MODE
+        elif in_result and n_cores:
+            roles[name] = Role.OUTPUT_MODE
+        elif n_cores >= 3:
+            roles[name] = Role.HYPEREDGE
+        elif n_cores == 2:
+            roles[name] = Role.RANK
+    return roles

@@ -1,0 +1,172 @@
+"""Layer settings, read as part of checking: sizes (parameters, overrides, derived) and options.
+
+Both report problems through ``report(message, span, hint)`` and carry on, so that the checker
+can show every error at once.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+import operator
+from typing import Any, Callable
+
+from .errors import Span
+from .ir import ACTIVATIONS, DISTRIBUTIONS, INITS, Options
+from .parse import LayerNode, SizeExpr
+
+Report = Callable[[str, "Span | None", "str | None"], None]
+
+_OPTION_KEYS = ("init", "activation", "bias", "distribution")
+_OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul, "//": operator.floordiv}
+
+
+def positive_int(value: Any) -> int | None:
+    """``value`` as an int if it is a positive integer (numpy integers too, bools not), else None."""
+    if isinstance(value, bool):
+        return None
+    try:
+        v = operator.index(value)
+    except TypeError:
+        return None
+    return v if v > 0 else None
+
+
+class SizeBinder:
+    """Binds a layer's sizes: parameter defaults, then keyword overrides, then derived sizes in
+    written order. ``bad`` collects names whose value was refused, so that they are not reported
+    again as missing."""
+
+    def __init__(self, layer: LayerNode, report: Report) -> None:
+        self.layer, self.error = layer, report
+        self.bad: set[str] = set()
+
+    def bind(self, overrides: dict[str, Any], written: set[str]) -> dict[str, int]:
+        """Sizes by name; ``written`` are the index names of the network (for inline specs)."""
+        lay = self.layer
+        env: dict[str, int] = {}
+        declared: dict[str, Span] = {}
+        for p in lay.params:
+            if p.name in declared:
+                self.error(f"parameter {p.name!r} is declared twice", p.span,
+                           "remove one of the two declarations")
+            declared[p.name] = p.span
+            if p.default <= 0:
+                self.bad.add(p.name)
+                self.error(f"size {p.name}={p.default} must be a positive integer", p.span,
+                           f"write {p.name}=1 or more")
+            env[p.name] = p.default
+        derived_names = {d.name for d in lay.derived}
+        for key, value in overrides.items():
+            if key in derived_names:
+                self.error(f"size {key!r} is derived in the file and cannot be set", None,
+                           "set the parameters it is derived from instead")
+                continue
+            if lay.params and key not in declared or not lay.params and key not in written:
+                pool = list(declared) if lay.params else sorted(written)
+                close = difflib.get_close_matches(key, pool, n=1)
+                self.error(f"size {key}={value!r} names no "
+                           + ("parameter of the layer" if lay.params else "index of the spec"),
+                           None, f"did you mean {close[0]!r}?" if close else
+                           f"known: {', '.join(pool) if pool else 'none'}")
+                continue
+            v = positive_int(value)
+            if v is None:
+                self.bad.add(key)
+                self.error(f"size {key}={value!r} must be a positive integer", None,
+                           f"pass {key}=<int >= 1>")
+                continue
+            env[key] = v
+        for d in lay.derived:
+            if d.name in env or d.name in self.bad:
+                self.error(f"size {d.name!r} is defined twice", d.span,
+                           "a size is either a parameter or derived, once")
+                continue
+            value = self.evaluate(d.expr, env)
+            if value is None or value <= 0:
+                self.bad.add(d.name)
+                if value is not None:
+                    self.error(f"size {d.name} evaluates to {value}; sizes must be positive",
+                               d.span, "check the expression and the sizes it uses")
+                continue
+            env[d.name] = value
+        return env
+
+    def evaluate(self, e: SizeExpr, env: dict[str, int]) -> int | None:
+        if e.op == "int":
+            return int(e.value)  # type: ignore[arg-type]
+        if e.op == "name":
+            if e.value not in env:
+                self.error(f"size {e.value!r} is not defined here", e.span,
+                           "define it as a parameter or above this line")
+                return None
+            return env[str(e.value)]
+        a, b = (self.evaluate(x, env) for x in e.args)
+        if a is None or b is None:
+            return None
+        if e.op == "//" and b == 0:
+            self.error("division by zero", e.span, "the divisor evaluates to 0")
+            return None
+        result = _OPS[e.op](a, b)
+        if abs(result) > 2**62:
+            self.error("size expression is too large", e.span,
+                       "sizes are small integers")
+            return None
+        return result
+
+    # ---- options ----------------------------------------------------------------------------
+
+
+def read_options(layer: LayerNode, report: Report) -> Options:
+    """The layer's options, validated against the vocabularies in ``ir``."""
+    reader = _OptionReader(report)
+    return reader.options(layer)
+
+
+class _OptionReader:
+    def __init__(self, report: Report) -> None:
+        self.error = report
+
+    def options(self, layer: LayerNode) -> Options:
+        values: dict[str, Any] = {}
+        for opt in layer.options:
+            if opt.key not in _OPTION_KEYS:
+                close = difflib.get_close_matches(opt.key, _OPTION_KEYS, n=1)
+                self.error(f"unknown option {opt.key!r}", opt.span,
+                           f"did you mean {close[0]!r}?" if close else
+                           f"options are {', '.join(_OPTION_KEYS)}")
+                continue
+            if opt.key in values:
+                self.error(f"option {opt.key!r} is given twice", opt.span,
+                           "keep one of them")
+                continue
+            value = self.option_value(opt.key, opt.value, opt.arg, opt.span)
+            if value is not None:
+                values[opt.key] = value
+        act = values.pop("activation", ("relu", None))
+        return Options(activation=act[0], activation_param=act[1], **values)
+
+    def option_value(self, key: str, value: str | float, arg: float | None,
+                     span: Span) -> Any:
+        choices = {"init": INITS, "distribution": DISTRIBUTIONS, "activation": ACTIVATIONS,
+                   "bias": ("true", "false")}[key]
+        if key == "activation" and isinstance(value, float):
+            if value <= 0 or not math.isfinite(value):
+                self.error(f"activation scale {value} must be a positive number", span,
+                           "the scale p_a is 1 for linear/tanh, 0.5 for relu")
+                return None
+            return (value, None)
+        if isinstance(value, float) or value not in choices or (arg is not None and (
+                key != "activation" or value != "leaky_relu")):
+            close = difflib.get_close_matches(str(value), choices, n=1)
+            self.error(f"invalid {key}: {value!r}" + (f"({arg})" if arg is not None else ""),
+                       span, f"did you mean {close[0]!r}?" if close else
+                       f"choose one of {', '.join(choices)}")
+            return None
+        if key == "bias":
+            return value == "true"
+        if key == "activation":
+            return (value, arg)
+        return value
+
+    # ---- the network ------------------------------------------------------------------------
