@@ -6,16 +6,17 @@
     '1 core, 96 parameters (dense 96, 1.0x fewer), 1-D conv'
 
 Stages, one module each: parse (text -> AST), check (AST -> ir.Network), ir (the data model),
-api (entry points) and cli (the ``tnspec`` command).
+init (how cores are drawn), plan (contraction order), lower (statements, and their
+interpreter), codegen (Python source), api (entry points) and cli (the ``tnspec`` command).
 """
 
-from .api import compile, compile_all
+from .api import Layer, compile, compile_all, layer
 from .errors import SpecError
 from .ir import Conv, Index, Network, Options, Role, Tensor
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "Conv", "Index", "Network", "Options", "Role", "SpecError", "Tensor",
-    "__version__", "compile", "compile_all",
+    "Conv", "Index", "Layer", "Network", "Options", "Role", "SpecError", "Tensor",
+    "__version__", "compile", "compile_all", "layer",
 ]

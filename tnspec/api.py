@@ -1,12 +1,20 @@
-"""The public entry points: text in, network (or module) out."""
+"""The public entry points: ``tnspec.compile`` (text -> Network) and ``tnspec.layer`` (text ->
+an initialized ``torch.nn.Module``), and the module class itself."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
+import torch
+from torch import nn
+
+from . import init as initializers
 from .check import DEFAULT_MAX_ELEMENTS, check
-from .ir import Network
+from .errors import SpecError
+from .ir import INITS, Network
+from .lower import Program, bias_shape, bind_shape, lower, run
 from .parse import parse
+from .plan import Plan, plan
 
 
 def compile(text: str, *, name: str | None = None, max_elements: int = DEFAULT_MAX_ELEMENTS,
@@ -27,3 +35,90 @@ def compile_all(text: str, *, max_elements: int = DEFAULT_MAX_ELEMENTS) -> list[
     """Every layer of ``text``, each with its default sizes."""
     doc = parse(text)
     return [check(doc, layer=lay.name, max_elements=max_elements) for lay in doc.layers]
+
+
+def layer(text: str, *, name: str | None = None, init: str | None = None,
+          activation: str | float | None = None, bias: bool | None = None,
+          dtype: torch.dtype | None = None, device: torch.device | str | None = None,
+          planner: str = "auto", max_elements: int = DEFAULT_MAX_ELEMENTS,
+          **sizes: Any) -> "Layer":
+    """An initialized ``nn.Module`` for ``text`` (an expression, or a ``.tn`` file's text with
+    ``name`` picking the layer). ``init``, ``activation`` and ``bias`` override the spec's
+    options; keyword sizes override its parameters.
+
+    >>> m = layer("x[b, i], W[i, o] -> y[b, o]", i=4, o=3)
+    >>> m(torch.ones(2, 4)).shape
+    torch.Size([2, 3])
+    """
+    net = compile(text, name=name, max_elements=max_elements, **sizes)
+    overrides: dict[str, Any] = {}
+    if init is not None:
+        if init not in INITS:
+            raise SpecError(f"unknown init {init!r}", hint=f"choose one of {', '.join(INITS)}")
+        overrides["init"] = init
+    if activation is not None:
+        act = compile(f"layer l {{ activation: {activation}\n x[i], W[i] -> y[] }}").options
+        overrides.update(activation=act.activation, activation_param=act.activation_param)
+    if bias is not None:
+        overrides["bias"] = bool(bias)
+    if overrides:
+        from dataclasses import replace
+        net = replace(net, options=replace(net.options, **overrides))
+    return Layer(net, dtype=dtype, device=device, planner=planner, max_elements=max_elements)
+
+
+class Layer(nn.Module):
+    """A tensor-network layer: one ``nn.Parameter`` per core, named as in the spec.
+
+    Attributes: ``spec`` (the canonical expression), ``sizes`` (every bound index size),
+    ``network`` (the IR). The contraction order is planned per input shape and cached.
+    """
+
+    def __init__(self, network: Network, *, dtype: torch.dtype | None = None,
+                 device: torch.device | str | None = None, planner: str = "auto",
+                 max_elements: int = DEFAULT_MAX_ELEMENTS) -> None:
+        super().__init__()
+        self.network = network
+        self.spec = network.spec
+        self.sizes = dict(network.sizes)
+        self.planner = planner
+        self.max_elements = max_elements
+        for core in network.cores:
+            shape = tuple(self.sizes[i] for i in core.indices)
+            self.register_parameter(core.name, nn.Parameter(
+                torch.empty(shape, dtype=dtype, device=device)))
+        shape = bias_shape(network)
+        if network.options.bias and shape:
+            self.bias = nn.Parameter(torch.zeros(shape, dtype=dtype, device=device))
+        else:
+            self.register_parameter("bias", None)
+        self._programs: dict[tuple[int, ...], Program] = {}
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Draw every core for the layer's init (respects ``torch.manual_seed``); zero the bias."""
+        params = {c.name: getattr(self, c.name) for c in self.network.cores}
+        initializers.apply(initializers.core_inits(self.network), params, self.sizes)
+        if self.bias is not None:
+            with torch.no_grad():
+                self.bias.zero_()
+
+    def plan(self, shape: Sequence[int]) -> Plan:
+        """The contraction plan for an input of ``shape`` (print ``.report()`` to see it)."""
+        return plan(bind_shape(self.network, tuple(shape)), self.planner,
+                    max_elements=self.max_elements)
+
+    def program(self, shape: Sequence[int]) -> Program:
+        key = tuple(int(n) for n in shape)
+        if key not in self._programs:
+            self._programs[key] = lower(self.plan(key))
+        return self._programs[key]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        params = {c.name: getattr(self, c.name) for c in self.network.cores}
+        return run(self.program(x.shape), x, params, self.sizes, self.bias)
+
+    def extra_repr(self) -> str:
+        opts = self.network.options
+        sizes = ", ".join(f"{k}={v}" for k, v in self.sizes.items())
+        return f"{self.spec!r}, {sizes}, init={opts.init!r}, activation={opts.activation!r}"

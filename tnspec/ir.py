@@ -13,7 +13,8 @@ A :class:`Network` is one *data tensor* flowing through *cores* into one *result
   names is a group ``(i0 i1)`` whose dimension is the row-major product (einops convention).
   Cores have single-name axes. ``Tensor.flipped`` names kernel indices read in reverse (the
   reversal matrix R of the reproducing transformation; empty in forward networks).
-- ``Index.size`` is None for sizes bound from the data at run time (batch, spatial).
+- ``Index.size`` is None for sizes bound from the data at run time (batch, spatial) until
+  :meth:`Network.bind` sets them (and ``Index.runtime``).
 - A :class:`Conv` relates a data-side spatial index ``source`` (j), a result-side index
   ``target`` (j') and a kernel index ``kernel`` (k) by ``P[j, j', k] = 1 iff
   j = stride * j' + dilation * k - padding``; data positions outside the tensor read as zero.
@@ -61,6 +62,7 @@ class Index:
     name: str
     size: int | None
     role: Role
+    runtime: bool = False  # the size was bound from the data (Network.bind), not the spec
 
 
 @dataclass(frozen=True)
@@ -201,8 +203,8 @@ class Network:
         unknown = set(sizes) - known
         if unknown:
             raise KeyError(f"no index named {sorted(unknown)[0]!r}")
-        new = tuple(replace(ix, size=int(sizes[ix.name])) if ix.name in sizes else ix
-                    for ix in self.indices)
+        new = tuple(replace(ix, size=int(sizes[ix.name]), runtime=True) if ix.name in sizes
+                    else ix for ix in self.indices)
         return replace(self, indices=new)
 
 

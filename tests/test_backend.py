@@ -1,0 +1,104 @@
+"""Back end: every zoo member and example matches the independent dense reference in float64,
+values and gradients; gradcheck on small cases."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tnspec
+
+from .conftest import EXAMPLES
+from .reference import dense_forward
+from .zoo import CASES, spec
+
+torch.set_default_dtype(torch.float64)
+
+
+def compare(module: tnspec.Layer, x: torch.Tensor, rtol: float = 1e-10) -> None:
+    net = module.network
+    x = x.clone().requires_grad_(True)
+    cores = {c.name: getattr(module, c.name) for c in net.cores}
+    y = module(x)
+    ref = dense_forward(net, x, cores)
+    if module.bias is not None:
+        ref = ref + module.bias.reshape([s if any(
+            net.index(i).role.value in ("output-mode", "parallel") for i in a) else 1
+            for a, s in zip(net.output.axes, ref.shape)])
+    assert y.shape == ref.shape
+    scale = ref.abs().max().clamp_min(1e-30)
+    assert ((y - ref).abs().max() / scale).item() < rtol
+    g = torch.randn_like(y)
+    params = [x, *cores.values()]
+    got = torch.autograd.grad((y * g).sum(), params)
+    want = torch.autograd.grad((ref * g).sum(), params)
+    for a, b in zip(got, want):
+        assert ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item() < rtol
+
+
+@pytest.mark.parametrize("fmt, dims, stride, pad, dilation", CASES,
+                         ids=["-".join(map(str, c)) for c in CASES])
+def test_zoo_matches_dense_reference(fmt, dims, stride, pad, dilation):
+    text, sizes, shape = spec(fmt, dims, stride, pad, dilation)
+    torch.manual_seed(0)
+    module = tnspec.layer(text, dtype=torch.float64, **sizes)
+    with torch.no_grad():
+        if module.bias is not None:
+            module.bias.normal_()
+    compare(module, torch.randn(2, *shape))
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
+def test_examples_match_dense_reference(path):
+    text = path.read_text()
+    for net in tnspec.compile_all(text):
+        torch.manual_seed(0)
+        module = tnspec.layer(text, name=net.name, dtype=torch.float64)
+        shape = [2] + [_axis_size(net, a) for a in net.input.axes[1:]]
+        compare(module, torch.randn(*shape))
+
+
+def _axis_size(net, axis):
+    n = 1
+    for i in axis:
+        n *= net.sizes.get(i, 6)
+    return n
+
+
+@pytest.mark.parametrize("planner", ["auto", "dp", "greedy", "dense-first", "left-to-right"])
+def test_every_planner_computes_the_same_layer(planner):
+    text, sizes, shape = spec("tr", 2, 2, "same", 1)
+    torch.manual_seed(0)
+    module = tnspec.layer(text, planner=planner, dtype=torch.float64, **sizes)
+    compare(module, torch.randn(2, *shape))
+
+
+@pytest.mark.parametrize("text, sizes, shape", [
+    ("x[b, c, 2*h+kh-1], U[c, r], K[r, kh, o] -> y[b, o, h]", dict(c=2, r=2, kh=3, o=2), (2, 2, 6)),
+    ("x[b, (i0 i1)], A[i0, o0, r], B[r, i1, o1] -> y[b, (o0 o1)]",
+     dict(i0=2, i1=3, o0=2, o1=2, r=2), (2, 6)),
+    ("x[b, c, 2*t], D[c, o] -> y[b, c, o, t]", dict(c=2, o=3), (2, 2, 7)),
+])
+def test_gradcheck(text, sizes, shape):
+    torch.manual_seed(0)
+    module = tnspec.layer(text, dtype=torch.float64, **sizes)
+    x = torch.randn(*shape, requires_grad=True)
+    params = [getattr(module, c.name) for c in module.network.cores]
+
+    def f(x, *ps):
+        return tnspec.lower.run(module.program(x.shape), x,
+                                dict(zip([c.name for c in module.network.cores], ps)),
+                                module.sizes, module.bias)
+    assert torch.autograd.gradcheck(f, (x, *params))
+
+
+def test_batch_index_in_a_group_is_inferred():
+    module = tnspec.layer("x[(b t), c], W[c, o] -> y[b, t, o]", t=3, c=2, o=4)
+    assert module(torch.randn(12, 2)).shape == (4, 3, 4)
+
+
+def test_float32_and_float64():
+    for dtype in (torch.float32, torch.float64):
+        m = tnspec.layer("x[b, c, h+kh-1], W[o, c, kh] -> y[b, o, h]", c=2, o=3, kh=3,
+                         dtype=dtype)
+        assert m.W.dtype == dtype and m(torch.randn(2, 2, 5, dtype=dtype)).dtype == dtype

@@ -1,0 +1,144 @@
+"""Stage 3, analysis/init: how each core is drawn, as plain data (``CoreInit``).
+
+Theory (DESIGN.md section 3; Pan et al., ICML 2022, Theorem 2 and eq. 8). For zero-mean
+independent cores and input, every output element is a sum of uncorrelated products, so
+
+    Var(y) = Var(x) * prod_c Var(W_c) * S_in,   S_in = product of the sizes the forward pass sums
+                                                (every core index the output does not carry)
+
+and likewise for the backward pass with S_out (every core index the *input* does not carry: the
+sizes the backward network G_bt sums). With the activation's scale p_a:
+
+    graph-in   prod_c Var(W_c) = 1 / (p_a S_in)
+    graph-out  prod_c Var(W_c) = 1 / (p_a S_out)
+    graph-avg  prod_c Var(W_c) = 2 / (p_a (S_in + S_out))      (the Xavier-like harmonic form)
+
+split over the n cores by weights w_c summing to 1 (the paper's exemplar: w_c = 1/n). The
+baselines users apply today are per core, from each core's own shape as ``torch.nn.init`` does:
+kaiming-in/out, xavier, orthogonal; and ``naive``, every core given the dense layer's Kaiming
+fan-in variance.
+
+Every std is ``(coef * sum of products of sizes) ** exponent``: a formula in the sizes, so that
+generated code can compute it for any constructor sizes, and print it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+from .ir import Network, Options, Role
+
+#: p_a = E[f(z)^2] / Var(z) for z ~ N(0, 1): the factor the activation applies to the variance
+#: (gelu and silu by Gauss-Hermite quadrature; tanh and sigmoid as in the paper / torch: 1)
+ACTIVATION_SCALE = {"linear": 1.0, "relu": 0.5, "tanh": 1.0, "sigmoid": 1.0,
+                    "gelu": 0.42522, "silu": 0.35578}
+
+
+def activation_scale(options: Options) -> float:
+    """p_a of the layer's activation: a name, ``leaky_relu`` with its slope, or a number."""
+    act = options.activation
+    if isinstance(act, (int, float)):
+        return float(act)
+    if act == "leaky_relu":
+        slope = 0.01 if options.activation_param is None else options.activation_param
+        return (1 + slope**2) / 2
+    return ACTIVATION_SCALE[act]
+
+
+@dataclass(frozen=True)
+class CoreInit:
+    """How one core is drawn: ``std = (coef * sum_t prod(sizes of terms[t])) ** exponent``."""
+
+    core: str
+    method: str  # "normal", "uniform" or "orthogonal" (then std is the gain)
+    coef: float
+    terms: tuple[tuple[str, ...], ...]
+    exponent: float
+    why: str
+
+    def std(self, sizes: Mapping[str, int]) -> float:
+        total = sum(math.prod(sizes[i] for i in term) for term in self.terms)
+        return (self.coef * total) ** self.exponent
+
+
+def summed_forward(net: Network) -> tuple[str, ...]:
+    """Indices the forward pass sums over: on some core, not on the output (S_in)."""
+    on_cores = dict.fromkeys(i for c in net.cores for i in c.indices)
+    return tuple(i for i in on_cores if i not in net.output.indices)
+
+
+def summed_backward(net: Network) -> tuple[str, ...]:
+    """Indices the backward network sums over: on some core, not on the input (S_out)."""
+    on_cores = dict.fromkeys(i for c in net.cores for i in c.indices)
+    return tuple(i for i in on_cores if i not in net.input.indices)
+
+
+def core_inits(net: Network, init: str | None = None,
+               weights: Sequence[float] | None = None) -> tuple[CoreInit, ...]:
+    """How to draw each core of ``net`` under ``init`` (default: the network's option).
+
+    ``weights`` split a graph mode's product of variances unequally (one per core, summing to
+    1; default equal, the paper's exemplar)."""
+    opts = net.options
+    init = init or opts.init
+    p = activation_scale(opts)
+    method = "normal" if opts.distribution == "normal" else "uniform"
+    n = len(net.cores)
+    if weights is None:
+        weights = [1 / n] * n
+    if len(weights) != n or abs(sum(weights) - 1) > 1e-9 or min(weights) <= 0:
+        raise ValueError(f"weights must be {n} positive numbers summing to 1, got {weights}")
+    if init in ("graph-in", "graph-out", "graph-avg"):
+        s_in, s_out = summed_forward(net), summed_backward(net)
+        terms = {"graph-in": (s_in,), "graph-out": (s_out,), "graph-avg": (s_in, s_out)}[init]
+        coef = p if init != "graph-avg" else p / 2
+        formula = " + ".join("*".join(t) or "1" for t in terms)
+        return tuple(CoreInit(c.name, method, coef, terms, -w / 2,
+                              f"{init}: prod Var = 1 / ({coef:g} * ({formula})); this core's "
+                              f"share {w:.3g}") for c, w in zip(net.cores, weights))
+    if init == "naive":
+        fan = net.with_role(Role.INPUT_MODE, Role.KERNEL)
+        return tuple(CoreInit(c.name, method, p, (fan,), -0.5,
+                              "naive: each core gets the dense layer's Kaiming fan-in variance")
+                     for c in net.cores)
+    return tuple(_per_core(c.name, c.indices, init, p, method) for c in net.cores)
+
+
+def _per_core(name: str, shape: tuple[str, ...], init: str, p: float, method: str) -> CoreInit:
+    """torch.nn.init's fan rule on the core's own shape: fan_in = dim 1 x rest, fan_out = dim 0
+    x rest (a 1-D core: both are its size)."""
+    rest = shape[2:]
+    fan_in = (shape[1:2] + rest) if len(shape) > 1 else shape
+    fan_out = shape[:1] + rest
+    if init == "kaiming-in":
+        return CoreInit(name, method, p, (fan_in,), -0.5, "kaiming fan-in on the core's shape")
+    if init == "kaiming-out":
+        return CoreInit(name, method, p, (fan_out,), -0.5, "kaiming fan-out on the core's shape")
+    if init == "xavier":
+        return CoreInit(name, method, p / 2, (fan_in, fan_out), -0.5,
+                        "xavier on the core's shape")
+    if init == "orthogonal":
+        return CoreInit(name, "orthogonal", p, ((),), -0.5, "orthogonal, gain 1/sqrt(p_a)")
+    raise ValueError(f"unknown init {init!r}")
+
+
+def apply(inits: Sequence[CoreInit], params: Mapping[str, Any], sizes: Mapping[str, int],
+          generator: Any = None) -> None:
+    """Draw every core in place (under ``torch.no_grad``)."""
+    import torch
+
+    with torch.no_grad():
+        for ci in inits:
+            w = params[ci.core]
+            std = ci.std(sizes)
+            if ci.method == "orthogonal" and w.dim() >= 2:
+                torch.nn.init.orthogonal_(w, gain=std, generator=generator)
+            elif ci.method == "orthogonal":  # a vector: a random unit direction, times the gain
+                w.normal_(0, std / math.sqrt(w.numel()), generator=generator)
+            elif ci.method == "uniform":
+                bound = math.sqrt(3) * std
+                w.uniform_(-bound, bound, generator=generator)
+            else:
+                w.normal_(0, std, generator=generator)

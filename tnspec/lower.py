@@ -1,0 +1,414 @@
+"""Stage 5, lower: Plan -> Program (plain statements), and the interpreter that runs a Program.
+
+A :class:`Program` is what ``forward`` does, one :class:`Stmt` per line of generated code:
+inline modules run it with :func:`run`; ``codegen`` prints it. Sizes are symbolic (variables
+named after their indices), so one Program serves every input shape and every constructor size;
+the plan's *order* was chosen for one shape.
+
+A conv step becomes one grouped ``F.conv1d/2d/3d``: indices of the data side only -> batch,
+shared and kept -> groups, shared and summed -> input channels, kernel side only -> output
+channels. Every other step is a pairwise ``torch.einsum``. No dummy tensor is materialized.
+"""
+
+from __future__ import annotations
+
+import builtins
+import keyword
+import math
+import re
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+from .ir import Network, Role
+from .plan import Plan, Step
+
+Dim = int | str  # a literal size, or the variable holding it
+
+
+@dataclass(frozen=True)
+class Stmt:
+    out: str
+    op: str
+    args: tuple[Any, ...]
+    comment: str = ""
+
+
+@dataclass(frozen=True)
+class Program:
+    network: Network
+    data: str                            # variable of the data input
+    params: tuple[tuple[str, str], ...]  # (variable, core name) for every core
+    sizes: tuple[tuple[str, str], ...]   # (variable, index name) for every static size used
+    stmts: tuple[Stmt, ...]
+    result: str
+
+
+_LETTERS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+_TAKEN = {"self", "torch", "F", "nn", "math", "sizes"} | set(dir(builtins))
+
+
+class Namer:
+    """Safe, unique Python identifiers for spec names (keywords and builtins get a suffix)."""
+
+    def __init__(self) -> None:
+        self.used: set[str] = set(_TAKEN)
+        self.names: dict[str, str] = {}
+
+    def __call__(self, key: str, base: str | None = None) -> str:
+        if key in self.names:
+            return self.names[key]
+        name = re.sub(r"\W", "_", base if base is not None else key) or "v"
+        if name[0].isdigit():
+            name = "v" + name
+        if keyword.iskeyword(name) or keyword.issoftkeyword(name) or name in self.used:
+            stem, n = name + "_", 2
+            name = stem
+            while name in self.used or keyword.iskeyword(name):
+                name, n = f"{stem}{n}", n + 1
+        self.used.add(name)
+        self.names[key] = name
+        return name
+
+
+def lower(plan: Plan) -> Program:
+    """The statements that execute ``plan``'s order for any shape."""
+    return _Lowering(plan).program()
+
+
+class _Lowering:
+    def __init__(self, plan: Plan) -> None:
+        self.plan, self.net = plan, plan.network
+        self.name = Namer()
+        self.stmts: list[Stmt] = []
+        self.static: dict[str, str] = {}  # variable -> index name of core sizes used
+        self.layout: dict[str, tuple[str, ...]] = {}  # variable -> index names of its axes
+        self.var: dict[str, str] = {}  # operand name in the plan -> current variable
+
+    def emit(self, out: str, op: str, *args: Any, comment: str = "") -> str:
+        self.stmts.append(Stmt(out, op, args, comment))
+        return out
+
+    def runtime(self, index: str) -> bool:
+        """Whether the size of ``index`` comes from the data (else from the module's sizes)."""
+        return self.net.index(index).runtime
+
+    def dim(self, index: str) -> Dim:
+        """The variable holding the size of ``index`` (static sizes are read from the module)."""
+        if self.runtime(index):
+            return self.name("size:" + index, _size_base(index, self.net))
+        var = self.name("size:" + index, index)
+        self.static[var] = index
+        return var
+
+    # ---- the program ------------------------------------------------------------------------
+
+    def program(self) -> Program:
+        net = self.net
+        data = self.name("tensor:" + net.input.name, net.input.name)
+        params = tuple((self.name("tensor:" + c.name, c.name), c.name) for c in net.cores)
+        self.prologue(data)
+        for var, core in params:
+            tensor = next(c for c in net.cores if c.name == core)
+            flips = tuple(tensor.indices.index(k) for k in sorted(tensor.flipped))
+            self.emit(var, "param", core, flips, comment=_operand_text(core, tensor.indices))
+            self.var[core] = var
+            self.layout[var] = tensor.indices
+        for step in self.plan.steps:
+            self.step(step)
+        result = self.epilogue()
+        sizes = tuple(sorted(self.static.items(), key=lambda kv: list(net.sizes).index(kv[1])
+                             if kv[1] in net.sizes else 0))
+        return Program(net, data, params, sizes, tuple(self.stmts), result)
+
+    def prologue(self, data: str) -> None:
+        """Check the data's shape, read its run-time sizes, split its groups, apply
+        kernel-less relations and input dilation."""
+        net = self.net
+        t = net.input
+        expected: list[tuple[str, Dim | None]] = []
+        names: list[str | None] = []
+        for axis in t.axes:
+            sized = not any(self.runtime(i) for i in axis)
+            runtime = len(axis) == 1 and not sized
+            expected.append((_axis_text(axis), self.product(list(axis)) if sized else None))
+            names.append(str(self.dim(axis[0])) if runtime else
+                         None if sized else self.name("axis:" + "_".join(axis), "_".join(axis)))
+        self.emit("", "expect", data, tuple(expected), t.name)
+        if any(names):
+            self.emit("", "unpack", data, tuple(names))
+        for axis, var in zip(t.axes, names):
+            if len(axis) > 1 and var is not None:
+                known = [a for a in axis if not self.runtime(a)]
+                unknown = next(a for a in axis if self.runtime(a))
+                self.emit(str(self.dim(unknown)), "infer", var, self.product(known),
+                          f"{t.name} axis {_axis_text(axis)}")
+        for c in net.convs:
+            k = self.dim(c.kernel) if c.kernel else 1
+            self.emit(str(self.dim(c.target)), "conv_size", self.dim(c.source), k, c.stride,
+                      c.dilation, c.padding, c.input_dilation, comment=f"{c.target} from {c.text}")
+        layout = t.indices
+        var = data
+        if any(len(a) > 1 for a in t.axes):
+            var = self.emit(self.name("tensor:split", data), "reshape", var,
+                            tuple(self.dim(i) for i in layout),
+                            comment="split " + ", ".join(_axis_text(a) for a in t.axes
+                                                          if len(a) > 1))
+        for c in net.convs:
+            if c.input_dilation > 1:
+                axis = layout.index(c.source)
+                var = self.emit(self.name("tensor:dilated", "dilated"), "dilate", var, axis,
+                                c.input_dilation, comment=f"spread {c.source} by {c.input_dilation}")
+            if c.kernel is None:
+                axis = layout.index(c.source)
+                var = self.emit(self.name("tensor:sub:" + c.target, "sub"), "subsample", var,
+                                axis, c.stride, c.padding, self.dim(c.target),
+                                comment=f"{c.target} = {c.text}")
+                layout = tuple(c.target if i == c.source else i for i in layout)
+        self.var[t.name] = var
+        self.layout[var] = layout
+
+    def step(self, step: Step) -> None:
+        left, right = self.var[step.left.name], self.var[step.right.name]
+        out = self.name("tensor:" + step.result.name, step.result.name)
+        what = (f"{_operand_text(step.left.name, step.left.indices)} * "
+                f"{_operand_text(step.right.name, step.right.indices)} -> "
+                f"{_operand_text(step.result.name, step.result.indices)}")
+        if step.kind == "conv":
+            self.conv(step, left, right, out, what)
+        else:
+            eq = _equation(step.left.indices, step.right.indices, step.result.indices)
+            self.emit(out, "einsum", eq, left, right,
+                      comment=f"{what}  ({step.flops:,} FLOPs)")
+        self.var[step.result.name] = out
+        self.layout[out] = step.result.indices
+
+    def conv(self, step: Step, left: str, right: str, out: str, what: str) -> None:
+        L, R = step.left.indices, step.right.indices
+        res = step.result.indices
+        convs = list(step.convs)
+        sources = [c.source for c in convs]
+        kernels = [str(c.kernel) for c in convs]
+        batch = [i for i in L if i not in R and i not in sources]
+        groups = [i for i in L if i in R and i in res]
+        chans = [i for i in L if i in R and i not in res]
+        outs = [i for i in R if i not in L and i not in kernels]
+        spatial_in = [self.dim(s) for s in sources]
+        x = self.arrange(left, L, batch + groups + chans + sources,
+                         [-1, self.product(groups + chans)] + spatial_in)
+        w = self.arrange(right, R, groups + outs + chans + kernels,
+                         [self.product(groups + outs), self.product(chans)] +
+                         [self.dim(k) for k in kernels])
+        ngroups = self.product(groups)
+        y = self.emit(self.name("tensor:conv:" + out, out + "_conv"), "conv", len(convs), x, w,
+                      tuple(c.stride for c in convs), tuple(c.padding for c in convs),
+                      tuple(c.dilation for c in convs), ngroups,
+                      tuple(self.dim(c.target) for c in convs),
+                      comment=f"{what}  over {', '.join(c.text for c in convs)} "
+                              f"({step.flops:,} FLOPs)")
+        self.emit(out, "reshape", y, tuple(self.dim(i) for i in res))
+
+    def product(self, indices: list[str]) -> Dim:
+        if not indices:
+            return 1
+        if len(indices) == 1:
+            return self.dim(indices[0])
+        return "*".join(str(self.dim(i)) for i in indices)
+
+    def arrange(self, var: str, layout: tuple[str, ...], order: list[str],
+                shape: list[Dim]) -> str:
+        """Permute ``var`` from ``layout`` into ``order``, then reshape to ``shape``."""
+        if list(layout) != order:
+            perm = tuple(layout.index(i) for i in order)
+            var = self.emit(self.name(f"tensor:perm:{var}", var + "_p"), "permute", var, perm)
+        return self.emit(self.name(f"tensor:flat:{var}", var + "_r"), "reshape", var,
+                         tuple(shape))
+
+    def epilogue(self) -> str:
+        """Permute the last result into the output's order, merge its groups, add the bias."""
+        net = self.net
+        var = self.var[self.plan.steps[-1].result.name]
+        layout, target = self.layout[var], net.output.indices
+        out = self.name("tensor:" + net.output.name, net.output.name)
+        grouped = any(len(a) > 1 for a in net.output.axes)
+        text = _operand_text(net.output.name, [_axis_text(a) for a in net.output.axes])
+        if layout != target:
+            var = self.emit(self.name("tensor:out_p", out + "_p") if grouped else out,
+                            "permute", var, tuple(layout.index(i) for i in target),
+                            comment="" if grouped else text)
+        if grouped:
+            var = self.emit(out, "reshape", var,
+                            tuple(self.product(list(a)) for a in net.output.axes), comment=text)
+        if net.options.bias and bias_shape(net):
+            shape = tuple(self.product(list(a)) if _has_core_index(net, a) else 1
+                          for a in net.output.axes)
+            var = self.emit(out, "bias", var, shape, comment="bias over " + ", ".join(
+                _axis_text(a) for a in net.output.axes if _has_core_index(net, a)))
+        return var
+
+
+def bias_shape(net: Network) -> tuple[int, ...]:
+    """Shape of the bias: one dimension per output axis that comes from cores."""
+    sizes = net.sizes
+    dims = []
+    for axis in net.output.axes:
+        if _has_core_index(net, axis):
+            n = 1
+            for i in axis:
+                n *= sizes[i]
+            dims.append(n)
+    return tuple(dims)
+
+
+def _has_core_index(net: Network, axis: tuple[str, ...]) -> bool:
+    return any(net.index(i).role in (Role.OUTPUT_MODE, Role.PARALLEL) for i in axis)
+
+
+def _size_base(index: str, net: Network) -> str:
+    c = net.conv_of(index)
+    if c is not None and index == c.source:
+        return c.target + "_in"
+    return index
+
+
+def _axis_text(axis: tuple[str, ...]) -> str:
+    return axis[0] if len(axis) == 1 else "(" + " ".join(axis) + ")"
+
+
+def _operand_text(name: str, indices) -> str:
+    return f"{name}[{', '.join(indices)}]"
+
+
+def _equation(a: tuple[str, ...], b: tuple[str, ...], out: tuple[str, ...]) -> str:
+    letters = {i: _LETTERS[n] for n, i in enumerate(dict.fromkeys(a + b))}
+    return "".join(letters[i] for i in a) + "," + "".join(letters[i] for i in b) + "->" + \
+        "".join(letters[i] for i in out)
+
+
+def bind_shape(net: Network, shape: Sequence[int]) -> Network:
+    """``net`` with its run-time sizes bound from the data's ``shape``: batch and spatial
+    sizes, the one unsized member of a group, and every conv target. Raises ValueError naming
+    the expected size."""
+    t = net.input
+    sizes = net.sizes
+    expected = [(_axis_text(a), math.prod(sizes[i] for i in a)
+                 if all(i in sizes for i in a) else None) for a in t.axes]
+    check_shape(t.name, expected, shape)
+    bound: dict[str, int] = {}
+    for axis, n in zip(t.axes, shape):
+        unknown = [i for i in axis if i not in sizes]
+        if len(axis) == 1 and unknown:
+            bound[axis[0]] = int(n)
+        elif unknown:
+            known = math.prod(sizes[i] for i in axis if i in sizes)
+            if n % known:
+                raise ValueError(f"{t.name}: axis {_axis_text(axis)} has size {n}, not a "
+                                 f"multiple of {known}")
+            bound[unknown[0]] = int(n) // known
+    for c in net.convs:
+        if c.target not in sizes:
+            k = sizes[c.kernel] if c.kernel else 1
+            bound[c.target] = c.out_size(bound[c.source], k)
+            if bound[c.target] < 1:
+                raise ValueError(f"{t.name}: axis {c.text} of size {bound[c.source]} is too "
+                                 f"small for kernel {k} (dilation {c.dilation}, padding "
+                                 f"{c.padding}): the output size would be {bound[c.target]}")
+    return net.bind(bound)
+
+
+def check_shape(name: str, expected: Sequence[tuple[str, int | None]],
+                shape: Sequence[int]) -> None:
+    """Raise ValueError unless ``shape`` has the expected rank and static axis sizes."""
+    if len(shape) != len(expected) or any(
+            d is not None and shape[n] != d for n, (_, d) in enumerate(expected)):
+        want = ", ".join(f"{t}={d}" if d is not None else t for t, d in expected)
+        raise ValueError(f"{name}: expected shape [{want}], got {list(shape)}")
+
+
+# ---- the interpreter ------------------------------------------------------------------------
+
+
+def run(program: Program, data: Any, params: Mapping[str, Any], sizes: Mapping[str, int],
+        bias: Any = None) -> Any:
+    """Execute ``program`` with torch: ``params`` maps core names to tensors, ``sizes`` gives
+    every static index size by index name."""
+    import torch
+    import torch.nn.functional as F
+
+    env: dict[str, Any] = {program.data: data}
+    for var, index in program.sizes:
+        env[var] = sizes[index]
+
+    def dim(d: Dim) -> int:
+        if isinstance(d, int):
+            return d
+        n = 1
+        for part in d.split("*"):
+            n *= env[part]
+        return n
+
+    for s in program.stmts:
+        a = s.args
+        if s.op == "expect":
+            check_shape(a[2], [(t, None if d is None else dim(d)) for t, d in a[1]],
+                        tuple(env[a[0]].shape))
+        elif s.op == "unpack":
+            for name, n in zip(a[1], env[a[0]].shape):
+                if name is not None:
+                    env[name] = int(n)
+        elif s.op == "infer":
+            known = dim(a[1])
+            if env[a[0]] % known:
+                raise ValueError(f"{a[2]} has size {env[a[0]]}, not a multiple of {known}")
+            env[s.out] = env[a[0]] // known
+        elif s.op == "conv_size":
+            n, k, stride, dil, pad, idil = dim(a[0]), dim(a[1]), a[2], a[3], a[4], a[5]
+            if s.out not in env:  # a bound target size (backward networks) is kept
+                env[s.out] = ((n - 1) * idil + 1 + 2 * pad - dil * (k - 1) - 1) // stride + 1
+            if env[s.out] < 1:
+                raise ValueError(f"input too small: {s.comment} gives size {env[s.out]}")
+        elif s.op == "param":
+            t = params[a[0]]
+            env[s.out] = t.flip(a[1]) if a[1] else t
+        elif s.op == "reshape":
+            env[s.out] = env[a[0]].reshape(tuple(dim(d) for d in a[1]))
+        elif s.op == "permute":
+            env[s.out] = env[a[0]].permute(a[1])
+        elif s.op == "einsum":
+            env[s.out] = torch.einsum(a[0], env[a[1]], env[a[2]])
+        elif s.op == "conv":
+            env[s.out] = _conv(F, env, dim, *a)
+        elif s.op == "subsample":
+            t, axis, stride, pad, length = env[a[0]], a[1], a[2], a[3], dim(a[4])
+            pads = [0, 0] * (t.dim() - axis - 1) + [pad, pad]
+            t = F.pad(t, pads) if pad else t
+            env[s.out] = t.narrow(axis, 0, (length - 1) * stride + 1)[
+                (slice(None),) * axis + (slice(None, None, stride),)]
+        elif s.op == "dilate":
+            t, axis, factor = env[a[0]], a[1], a[2]
+            shape = list(t.shape)
+            shape[axis] = (shape[axis] - 1) * factor + 1
+            spread = t.new_zeros(shape)
+            spread[(slice(None),) * axis + (slice(None, None, factor),)] = t
+            env[s.out] = spread
+        elif s.op == "bias":
+            env[s.out] = env[a[0]] + bias.reshape(tuple(dim(d) for d in a[1]))
+        else:  # pragma: no cover - lowering emits only the ops above
+            raise AssertionError(f"unknown op {s.op}")
+    return env[program.result]
+
+
+def _conv(F: Any, env: dict[str, Any], dim: Any, nd: int, x: str, w: str, stride: tuple,
+          padding: tuple, dilation: tuple, groups: Dim, targets: tuple) -> Any:
+    """Grouped conv; explicit (possibly negative) padding when a bound target size needs it."""
+    xt, wt = env[x], env[w]
+    spatial_in = xt.shape[2:]
+    pads: list[int] = []
+    symmetric = True
+    for n, t, k, s, d, p in zip(spatial_in, targets, wt.shape[2:], stride, dilation, padding):
+        right = s * (dim(t) - 1) + d * (k - 1) - p - (n - 1)
+        symmetric &= right == p and p >= 0
+        pads = [p, right] + pads
+    conv = (F.conv1d, F.conv2d, F.conv3d)[nd - 1]
+    if symmetric:
+        return conv(xt, wt, None, stride, padding, dilation, dim(groups))
+    return conv(F.pad(xt, pads), wt, None, stride, 0, dilation, dim(groups))

@@ -1,0 +1,316 @@
+"""Stage 4, plan: a contraction order for a network with every size bound, as plain data.
+
+The operands are the data tensor (position 0) and the cores. A pairwise step that brings the
+data side together with *all* carriers of a relation's kernel index resolves that relation: it
+is a convolution, and costs its direct-convolution multiply-adds (output positions x kernel x
+channels). Until then the data side carries the input-side spatial index (its size is the real,
+padded-free input size). A step may not give the data side a kernel index without resolving its
+relation (that would be im2col), so kernel-bearing cores are merged before the conv.
+
+The search is opt_einsum's :class:`~opt_einsum.paths.DynamicProgramming`, driven by an exact
+conv-aware cost (its ``minimize`` accepts a callable that scores each merge of two sub-networks).
+To its connectivity test the data side carries the kernel indices of unresolved relations as
+virtual legs, so that "data with kernel core" counts as a contraction, not an outer product.
+Planners live in a registry (:data:`PLANNERS`); ``auto`` takes the cheapest of the DP, the
+"dense kernel first" order and the left-to-right order (einconv's).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass
+from itertools import chain
+from typing import Callable, Sequence
+
+from opt_einsum.paths import DynamicProgramming, greedy
+
+from .check import DEFAULT_MAX_ELEMENTS
+from .errors import SpecError
+from .ir import Conv, Network, Role
+
+Path = list[tuple[int, ...]]
+
+
+@dataclass(frozen=True)
+class Operand:
+    """A tensor during the contraction: the data, a core, or an intermediate ``t1``, ``t2``..."""
+
+    name: str
+    indices: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Step:
+    """One pairwise contraction. For a conv step ``left`` is the data side."""
+
+    left: Operand
+    right: Operand
+    result: Operand
+    kind: str  # "einsum" or "conv"
+    convs: tuple[Conv, ...]
+    macs: int
+
+    @property
+    def flops(self) -> int:
+        return 2 * self.macs
+
+
+@dataclass(frozen=True)
+class Plan:
+    network: Network  # with every size bound
+    steps: tuple[Step, ...]
+    planner: str
+    dense_macs: int  # the same layer as one dense conv (or linear)
+
+    @property
+    def flops(self) -> int:
+        return sum(s.flops for s in self.steps)
+
+    @property
+    def largest_intermediate(self) -> int:
+        sizes = self.network.sizes
+        return max((math.prod(sizes[i] for i in s.result.indices) for s in self.steps), default=0)
+
+    def report(self) -> str:
+        """A table like opt_einsum's PathInfo: each step, its kind, FLOPs and result size."""
+        sizes = self.network.sizes
+        rows = [f"  {'step':<5}{'kind':<8}{'FLOPs':>12}{'elements':>12}  contraction"]
+        for n, s in enumerate(self.steps, 1):
+            what = (f"{_operand(s.left)} * {_operand(s.right)} -> {_operand(s.result)}")
+            if s.convs:
+                what += "  over " + ", ".join(c.text for c in s.convs)
+            size = math.prod(sizes[i] for i in s.result.indices)
+            rows.append(f"  {n:<5}{s.kind:<8}{s.flops:>12,}{size:>12,}  {what}")
+        dense = 2 * self.dense_macs
+        head = (f"plan ({self.planner}) for {self.network.spec}\n"
+                f"  total {self.flops:,} FLOPs vs dense {dense:,} "
+                f"({dense / max(self.flops, 1):.2f}x fewer); "
+                f"largest intermediate {self.largest_intermediate:,} elements")
+        return head + "\n" + "\n".join(rows)
+
+
+def _operand(op: Operand) -> str:
+    return f"{op.name}[{', '.join(op.indices)}]"
+
+
+# ---- the problem ----------------------------------------------------------------------------
+
+
+class Problem:
+    """The contraction problem of a bound network, with the exact conv-aware cost model."""
+
+    def __init__(self, net: Network) -> None:
+        self.net = net
+        self.sizes = net.sizes
+        # kernel-less relations (pure subsampling) are applied to the data before any step
+        swap = {c.source: c.target for c in net.convs if c.kernel is None}
+        data = tuple(swap.get(i, i) for i in net.input.indices)
+        self.operands = [Operand(net.input.name, data)] + [
+            Operand(c.name, c.indices) for c in net.cores]
+        self.output = tuple(net.output.indices)
+        self.convs = tuple(c for c in net.convs if c.kernel is not None)
+        # which operands carry each relation's kernel (bitmap over operand positions)
+        self.carriers = [sum(1 << p for p, op in enumerate(self.operands)
+                             if c.kernel in op.indices and p) for c in self.convs]
+        self._legs: dict[int, tuple[str, ...]] = {}
+
+    def legs(self, subset: int) -> tuple[str, ...]:
+        """Indices of the tensor contracted from the operands in ``subset`` (a bitmap)."""
+        if subset in self._legs:
+            return self._legs[subset]
+        inside = [op for p, op in enumerate(self.operands) if subset >> p & 1]
+        outside = set(self.output).union(*(op.indices for p, op in enumerate(self.operands)
+                                           if not subset >> p & 1))
+        # sources and kernels are kept until their relation is resolved
+        outside |= {c.source for c in self.convs} | {str(c.kernel) for c in self.convs}
+        legs = [i for i in dict.fromkeys(chain(*(op.indices for op in inside))) if i in outside]
+        if subset & 1:
+            for c, carriers in zip(self.convs, self.carriers):
+                if carriers & subset == carriers:  # resolved: the source becomes the target
+                    legs = [c.target if i == c.source else i for i in legs if i != c.kernel]
+        self._legs[subset] = tuple(legs)
+        return self._legs[subset]
+
+    def step(self, a: int, b: int) -> tuple[str, tuple[Conv, ...], int] | None:
+        """(kind, resolved relations, multiply-adds) of merging subsets a and b; None if the
+        merge is not allowed (it would hand the data side a kernel index without its conv)."""
+        if b & 1:
+            a, b = b, a
+        union = a | b
+        resolved: list[Conv] = []
+        if a & 1:
+            for c, carriers in zip(self.convs, self.carriers):
+                inside = carriers & union
+                if inside and inside != carriers:
+                    return None
+                if inside and not carriers & a:
+                    resolved.append(c)
+        la, lb = self.legs(a), self.legs(b)
+        indices = set(la) | set(lb)
+        macs = 1
+        for c in resolved:
+            indices -= {c.source, c.kernel}
+            macs *= self.sizes[c.target] * self.sizes[str(c.kernel)]
+        macs *= math.prod(self.sizes[i] for i in indices)
+        return ("conv" if resolved else "einsum"), tuple(resolved), macs
+
+    # opt_einsum's view: data carries virtual kernel legs until its relations are resolved
+    def plain_inputs(self) -> list[set[str]]:
+        data = set(self.operands[0].indices) | {str(c.kernel) for c in self.convs}
+        return [data] + [set(op.indices) for op in self.operands[1:]]
+
+    def plain_output(self) -> set[str]:
+        # sources are listed as output so that opt_einsum does not sum them out up front
+        return set(self.output) | {c.source for c in self.convs}
+
+    def plain_sizes(self) -> dict[str, int]:
+        return dict(self.sizes)
+
+    def plain_legs(self, subset: int) -> set[str]:
+        legs = set(self.legs(subset))
+        if subset & 1:
+            legs |= {str(c.kernel) for c, carriers in zip(self.convs, self.carriers)
+                     if not carriers & subset}
+        return legs
+
+    # ---- replay a path into steps ----------------------------------------------------------
+
+    def replay(self, path: Path) -> list[Step] | None:
+        """The steps of an opt_einsum-style path (pairs of positions in a shrinking list);
+        None if a step is not allowed."""
+        live = [(1 << p, op) for p, op in enumerate(self.operands)]
+        steps: list[Step] = []
+        for pair in path:
+            if len(pair) != 2:
+                return None
+            i, j = sorted(pair)
+            (a, left), (b, right) = live[i], live[j]
+            del live[j], live[i]
+            info = self.step(a, b)
+            if info is None:
+                return None
+            kind, convs, macs = info
+            if b & 1:
+                a, b, left, right = b, a, right, left
+            order = self.result_order(left, right, convs, self.legs(a | b))
+            result = Operand(f"t{len(steps) + 1}", order)
+            steps.append(Step(left, right, result, kind, convs, macs))
+            live.append((a | b, result))
+        return steps if len(live) == 1 else None
+
+    def result_order(self, left: Operand, right: Operand, convs: Sequence[Conv],
+                     kept: Sequence[str]) -> tuple[str, ...]:
+        """Layout of a step's result (the set ``kept``): for a conv, (batch, groups, out
+        channels, targets) as grouped convolution produces it; else left's order, then right's."""
+        kept_set = set(kept)
+        if not convs:
+            return tuple(i for i in dict.fromkeys(chain(left.indices, right.indices))
+                         if i in kept_set)
+        targets = {c.source: c.target for c in convs}
+        batch = [i for i in left.indices if i not in right.indices and i not in targets]
+        groups = [i for i in left.indices if i in right.indices and i in kept_set]
+        outs = [i for i in right.indices if i not in left.indices and i in kept_set]
+        spatial = [targets[i] for i in left.indices if i in targets]
+        return tuple(batch + groups + outs + spatial)
+
+
+# ---- planners -------------------------------------------------------------------------------
+
+Planner = Callable[[Problem], Path]
+PLANNERS: dict[str, Planner] = {}
+
+
+def register(name: str) -> Callable[[Planner], Planner]:
+    """Add a planner to :data:`PLANNERS` under ``name``."""
+    def add(fn: Planner) -> Planner:
+        PLANNERS[name] = fn
+        return fn
+    return add
+
+
+@register("dp")
+def dynamic_programming(problem: Problem) -> Path:
+    """opt_einsum's dynamic programming, scoring each merge by the conv-aware cost."""
+    inputs, output = problem.plain_inputs(), problem.plain_output()
+    # opt_einsum numbers indices by first appearance; legs handed back must use its numbers
+    number = {c: j for j, c in enumerate(Counter(chain(*inputs, output)))}
+
+    def compare(cost1, cost2, i1_union_i2, size_dict, cost_cap, s1, s2, xn, g, all_tensors,
+                inputs_, i1_cut_i2_wo_output, memory_limit, contract1, contract2):
+        info = problem.step(s1, s2)
+        if info is None:
+            return
+        cost = cost1 + cost2 + info[2]
+        if cost <= cost_cap:
+            s = s1 | s2
+            if s not in xn or cost < xn[s][1]:
+                legs = frozenset(number[i] for i in problem.plain_legs(s))
+                xn[s] = (legs, cost, (contract1, contract2))
+
+    return DynamicProgramming(minimize=compare)(inputs, output, problem.plain_sizes())
+
+
+@register("greedy")
+def greedy_plain(problem: Problem) -> Path:
+    """opt_einsum's greedy search over the plain view (conv steps priced as im2col)."""
+    return greedy(problem.plain_inputs(), problem.plain_output(), problem.plain_sizes())
+
+
+@register("dense-first")
+def dense_first(problem: Problem) -> Path:
+    """Contract all cores, left to right, into the dense kernel; then one step with the data."""
+    n = len(problem.operands)  # a result goes to the end of the list, the data stays first
+    if n == 2:
+        return [(0, 1)]
+    return [(1, 2)] + [(1, m - 1) for m in range(n - 1, 2, -1)] + [(0, 1)]
+
+
+@register("left-to-right")
+def left_to_right(problem: Problem) -> Path:
+    """The data with the first core, the result with the next core, and so on (einconv)."""
+    n = len(problem.operands)  # a result goes to the end of the list
+    return [(0, 1)] + [(0, m - 1) for m in range(n - 1, 1, -1)]
+
+
+@register("auto")
+def auto(problem: Problem) -> Path:
+    """The cheapest of dp, dense-first and left-to-right under the conv-aware cost."""
+    best: tuple[int, Path] | None = None
+    for name in ("dp", "dense-first", "left-to-right"):
+        path = PLANNERS[name](problem)
+        steps = problem.replay(path)
+        if steps is not None:
+            cost = sum(s.macs for s in steps)
+            if best is None or cost < best[0]:
+                best = (cost, path)
+    assert best is not None, "the dp planner always finds an allowed path"
+    return best[1]
+
+
+def plan(net: Network, planner: str = "auto", *,
+         max_elements: int = DEFAULT_MAX_ELEMENTS) -> Plan:
+    """Plan the contraction of ``net``, whose sizes must all be bound (see ``bind_shape``).
+    An intermediate with more than ``max_elements`` elements per sample is refused."""
+    if planner not in PLANNERS:
+        raise ValueError(f"unknown planner {planner!r}; known: {', '.join(sorted(PLANNERS))}")
+    problem = Problem(net)
+    if len(problem.operands) == 1:
+        steps: list[Step] = []
+    else:
+        replayed = problem.replay(PLANNERS[planner](problem))
+        if replayed is None:
+            raise ValueError(f"planner {planner!r} gave an order that needs a kernel index "
+                             "before its convolution; use 'auto'")
+        steps = replayed
+    batch = math.prod(net.sizes[i] for i in net.with_role(Role.BATCH))
+    for s in steps:
+        per_sample = math.prod(net.sizes[i] for i in s.result.indices) // batch
+        if per_sample > max_elements:
+            raise SpecError(f"intermediate {_operand(s.result)} would have {per_sample:,} "
+                            f"elements per sample, more than the limit of {max_elements:,}",
+                            hint="use smaller inputs or sizes, or raise max_elements")
+    dense_roles = (Role.BATCH, Role.PARALLEL, Role.INPUT_MODE, Role.OUTPUT_MODE, Role.KERNEL,
+                   Role.SPATIAL_OUT)
+    dense = math.prod(net.sizes[i] for i in net.with_role(*dense_roles))
+    return Plan(net, tuple(steps), planner, dense)
