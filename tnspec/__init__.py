@@ -10,11 +10,12 @@ init (how cores are drawn), plan (contraction order), lower (statements, and the
 interpreter), codegen (Python source), api (entry points) and cli (the ``tnspec`` command).
 """
 
+__version__ = "0.1.0"  # first: codegen stamps it into generated modules
+
 from .api import Layer, compile, compile_all, layer
 from .errors import SpecError
 from .ir import Conv, Index, Network, Options, Role, Tensor
 
-__version__ = "0.1.0"
 
 __all__ = [
     "Conv", "Index", "Layer", "Network", "Options", "Role", "SpecError", "Tensor",

@@ -3,18 +3,21 @@ an initialized ``torch.nn.Module``), and the module class itself."""
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from dataclasses import replace
+from typing import Any, Mapping, Sequence
 
 import torch
 from torch import nn
 
+from . import codegen
 from . import init as initializers
-from .check import DEFAULT_MAX_ELEMENTS, check
+from .check import DEFAULT_MAX_ELEMENTS, check, select_layer
 from .errors import SpecError
 from .ir import INITS, Network
 from .lower import Program, bias_shape, bind_shape, lower, run
 from .parse import parse
 from .plan import Plan, plan
+from .codegen import summary_line
 
 
 def compile(text: str, *, name: str | None = None, max_elements: int = DEFAULT_MAX_ELEMENTS,
@@ -37,6 +40,72 @@ def compile_all(text: str, *, max_elements: int = DEFAULT_MAX_ELEMENTS) -> list[
     return [check(doc, layer=lay.name, max_elements=max_elements) for lay in doc.layers]
 
 
+def generate(text: str, *, names: Sequence[str] | None = None,
+             shape: Mapping[str, int] | None = None, init: str | None = None,
+             planner: str = "auto", source: str | None = None, **sizes: Any) -> str:
+    """Python source of a standalone module with one class per layer of ``text``.
+
+    ``names`` picks layers (default: all); ``shape`` gives the input sizes the contraction order
+    is planned for (batch and spatial indices by name, spatial ones by their output index;
+    default 32 each); keyword ``sizes`` override the parameters of the layers that declare
+    them.
+    """
+    doc = parse(text)
+    chosen = list(names) if names else [lay.name for lay in doc.layers]
+    unused = set(sizes) if doc.is_file else set()
+    programs = []
+    for name in chosen:
+        if doc.is_file:  # --set reaches the layers that declare the parameter
+            declared = {p.name for p in select_layer(doc, name).params}
+            own = {k: v for k, v in sizes.items() if k in declared}
+            unused -= set(own)
+        else:
+            own = sizes
+        net = _with_options(check(doc, layer=name, sizes=own), init=init)
+        bound = bind_shape(net, example_shape(net, shape or {}))
+        the_plan = plan(bound, planner)
+        programs.append((lower(the_plan), summary_line(the_plan)))
+    if unused:
+        raise SpecError(f"no layer has a parameter named {sorted(unused)[0]!r}",
+                        hint="--set names a size parameter of a layer")
+    return codegen.generate(programs, source)
+
+
+def example_shape(net: Network, given: Mapping[str, int]) -> tuple[int, ...]:
+    """An input shape for planning: static axes from the sizes, the others from ``given``
+    (spatial axes by their output index or their affine text), else 32."""
+    sizes = net.sizes
+    known = set(sizes) | {c.source for c in net.convs} | {c.target for c in net.convs} | \
+        set(net.input.indices)
+    for key in given:
+        if key not in known:
+            raise SpecError(f"--shape names {key!r}, which is not an index of the input",
+                            hint="name batch indices and spatial output indices, e.g. b=32,h=32")
+    by_source = {c.source: c.target for c in net.convs}
+    dims = []
+    for axis in net.input.axes:
+        n = 1
+        for i in axis:
+            n *= sizes.get(i) or given.get(i) or given.get(by_source.get(i, i)) or 32
+        dims.append(n)
+    return tuple(dims)
+
+
+def _with_options(net: Network, **overrides: Any) -> Network:
+    """``net`` with some options replaced (None leaves an option as the spec says)."""
+    values = {k: v for k, v in overrides.items() if v is not None}
+    if values.get("init") is not None and values["init"] not in INITS:
+        raise SpecError(f"unknown init {values['init']!r}",
+                        hint=f"choose one of {', '.join(INITS)}")
+    if "activation" in values:
+        act = compile(f"layer l {{ activation: {values['activation']}\n x[i], W[i] -> y[] }}")
+        values.update(activation=act.options.activation,
+                      activation_param=act.options.activation_param)
+    if "bias" in values:
+        values["bias"] = bool(values["bias"])
+    return replace(net, options=replace(net.options, **values)) if values else net
+
+
 def layer(text: str, *, name: str | None = None, init: str | None = None,
           activation: str | float | None = None, bias: bool | None = None,
           dtype: torch.dtype | None = None, device: torch.device | str | None = None,
@@ -51,19 +120,7 @@ def layer(text: str, *, name: str | None = None, init: str | None = None,
     torch.Size([2, 3])
     """
     net = compile(text, name=name, max_elements=max_elements, **sizes)
-    overrides: dict[str, Any] = {}
-    if init is not None:
-        if init not in INITS:
-            raise SpecError(f"unknown init {init!r}", hint=f"choose one of {', '.join(INITS)}")
-        overrides["init"] = init
-    if activation is not None:
-        act = compile(f"layer l {{ activation: {activation}\n x[i], W[i] -> y[] }}").options
-        overrides.update(activation=act.activation, activation_param=act.activation_param)
-    if bias is not None:
-        overrides["bias"] = bool(bias)
-    if overrides:
-        from dataclasses import replace
-        net = replace(net, options=replace(net.options, **overrides))
+    net = _with_options(net, init=init, activation=activation, bias=bias)
     return Layer(net, dtype=dtype, device=device, planner=planner, max_elements=max_elements)
 
 

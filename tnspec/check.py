@@ -8,11 +8,12 @@ All problems found are raised together as one :class:`SpecError` whose ``errors`
 from __future__ import annotations
 
 import difflib
+from dataclasses import replace
 from typing import Any, Mapping
 
 from .errors import Span, SpecError
 from .ir import Conv, Index, Network, Options, Role, Tensor, assign_roles
-from .parse import Document, IndexNode, LayerNode, NetworkNode, OperandNode
+from .parse import Document, IndexNode, LayerNode, NetworkNode, OperandNode, SizeExpr
 from .settings import SizeBinder, read_options
 
 DEFAULT_MAX_ELEMENTS = 2**31
@@ -86,7 +87,14 @@ class _Checker:
         binder = SizeBinder(lay, self.error)
         env = binder.bind(overrides, written)
         self.bad_sizes = binder.bad
-        return self.network(net, env, options)
+        network = self.network(net, env, options)
+        if network is None:
+            return None
+        derived = tuple((d.name, _formula(d.expr)) for d in lay.derived)
+        names = [p.name for p in lay.params] if lay.params or self.doc.is_file else \
+            [n for n in env if n in network.sizes]
+        return replace(network, params=tuple((n, env[n]) for n in names if n in env),
+                       derived=derived)
 
     # ---- sizes ------------------------------------------------------------------------------
 
@@ -305,3 +313,10 @@ class _Checker:
                         self.error(f"group {ix.text} has {len(unsized)} members without a size "
                                    f"({', '.join(unsized)})", ix.span,
                                    "give all but one of them a size; the last is inferred")
+
+
+def _formula(e: SizeExpr) -> tuple:
+    """A size expression as plain nested tuples (see ir.Formula)."""
+    if e.op in ("int", "name"):
+        return (e.op, e.value)
+    return (e.op, _formula(e.args[0]), _formula(e.args[1]))

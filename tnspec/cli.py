@@ -1,4 +1,4 @@
-"""The ``tnspec`` command line: ``check`` (and, as they land, ``compile``, ``explain``, ``draw``).
+"""The ``tnspec`` command line: ``check`` and ``compile`` (``explain`` and ``draw`` fit in next).
 
 Exit codes: 0 success, 2 a spec error or unreadable file (like a compiler), 1 anything else.
 """
@@ -6,18 +6,22 @@ Exit codes: 0 success, 2 a spec error or unreadable file (like a compiler), 1 an
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import tempfile
 from pathlib import Path
 from typing import Callable, Sequence
 
 from . import __version__
-from .api import compile_all
+from .api import compile_all, generate
 from .errors import SpecError
 
 EXIT_OK, EXIT_FAILURE, EXIT_SPEC = 0, 1, 2
 
 EPILOG = """examples:
   tnspec check examples/*.tn
+  tnspec compile examples/htk2.tn -o layer.py
+  tnspec compile examples/tr_conv.tn -o - --shape b=128,h=32,w=32 --set r=8 --init graph-out
 """
 
 
@@ -43,7 +47,34 @@ def _parser() -> argparse.ArgumentParser:
                            "summary line per layer. Exit code 2 on any error.")
     check.add_argument("files", nargs="+", metavar="FILE")
     check.set_defaults(run=_check)
+
+    comp = sub.add_parser("compile", help="write a standalone PyTorch module",
+                          description="Compile the layers of a .tn file into one Python module "
+                          "(one class per layer) that imports only torch. The file is written "
+                          "only after the whole compile succeeded.")
+    comp.add_argument("file", metavar="FILE")
+    comp.add_argument("-o", "--output", required=True, metavar="OUT",
+                      help="the .py file to write, or - for standard output")
+    comp.add_argument("--layer", action="append", metavar="NAME",
+                      help="compile only this layer (may be repeated)")
+    comp.add_argument("--shape", type=_assignments, default={}, metavar="b=32,h=32,...",
+                      help="input sizes to plan the contraction order for (default 32 each)")
+    comp.add_argument("--set", type=_assignments, default={}, metavar="r=8,...",
+                      help="override size parameters of the layers that declare them")
+    comp.add_argument("--init", metavar="MODE", help="override every layer's init option")
+    comp.set_defaults(run=_compile)
     return parser
+
+
+def _assignments(text: str) -> dict[str, int]:
+    """``"a=1,b=2"`` -> ``{"a": 1, "b": 2}`` (argparse type)."""
+    out: dict[str, int] = {}
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip() or not value.strip().lstrip("-").isdigit():
+            raise argparse.ArgumentTypeError(f"expected NAME=INT, got {item!r}")
+        out[key.strip()] = int(value)
+    return out
 
 
 def _read(path: str) -> str:
@@ -68,6 +99,37 @@ def _check(args: argparse.Namespace) -> int:
         for net in networks:
             print(f"{path}: {net.name or 'network'}: {net.summary()}")
     return status
+
+
+def _compile(args: argparse.Namespace) -> int:
+    try:
+        text = _read(args.file)
+        source = generate(text, names=args.layer, shape=args.shape, init=args.init,
+                          source=args.file, **args.set)
+    except SpecError as exc:
+        for err in exc.with_filename(args.file).errors:
+            print(err.render(), file=sys.stderr)
+        return EXIT_SPEC
+    if args.output == "-":
+        sys.stdout.write(source)
+        return EXIT_OK
+    _write_atomically(Path(args.output), source)
+    print(f"wrote {args.output}", file=sys.stderr)
+    return EXIT_OK
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    """Write to a temporary file beside ``path``, then rename it over ``path``."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent if str(path.parent) else ".",
+                               prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
 
 
 if __name__ == "__main__":

@@ -123,6 +123,10 @@ class Options:
     distribution: str = "normal"
 
 
+#: a size formula: ("int", 3), ("name", "k"), or (op, formula, formula) with op in + - * //
+Formula = tuple
+
+
 @dataclass(frozen=True)
 class Network:
     input: Tensor
@@ -132,6 +136,10 @@ class Network:
     convs: tuple[Conv, ...] = ()
     name: str | None = None
     options: Options = field(default_factory=Options)
+    #: the layer's size parameters with their (bound) values, and its derived sizes in order;
+    #: for an inline expression every given size is a parameter
+    params: tuple[tuple[str, int], ...] = ()
+    derived: tuple[tuple[str, Formula], ...] = ()
 
     # ---- lookups ----------------------------------------------------------------------------
 

@@ -44,7 +44,8 @@ class Program:
 
 
 _LETTERS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
-_TAKEN = {"self", "torch", "F", "nn", "math", "sizes"} | set(dir(builtins))
+# names generated code uses, builtins, and the names pycodestyle calls ambiguous (E741)
+_TAKEN = {"self", "torch", "F", "nn", "math", "sizes", "l", "O", "I"} | set(dir(builtins))
 
 
 class Namer:
@@ -149,7 +150,7 @@ class _Lowering:
         layout = t.indices
         var = data
         if any(len(a) > 1 for a in t.axes):
-            var = self.emit(self.name("tensor:split", data), "reshape", var,
+            var = self.emit(self.name("tensor:split", data + "_split"), "reshape", var,
                             tuple(self.dim(i) for i in layout),
                             comment="split " + ", ".join(_axis_text(a) for a in t.axes
                                                           if len(a) > 1))
@@ -161,7 +162,7 @@ class _Lowering:
             if c.kernel is None:
                 axis = layout.index(c.source)
                 var = self.emit(self.name("tensor:sub:" + c.target, "sub"), "subsample", var,
-                                axis, c.stride, c.padding, self.dim(c.target),
+                                axis, len(layout), c.stride, c.padding, self.dim(c.target),
                                 comment=f"{c.target} = {c.text}")
                 layout = tuple(c.target if i == c.source else i for i in layout)
         self.var[t.name] = var
@@ -178,7 +179,7 @@ class _Lowering:
         else:
             eq = _equation(step.left.indices, step.right.indices, step.result.indices)
             self.emit(out, "einsum", eq, left, right,
-                      comment=f"{what}  ({step.flops:,} FLOPs)")
+                      comment=f"einsum, {step.flops:,} FLOPs: {what}")
         self.var[step.result.name] = out
         self.layout[out] = step.result.indices
 
@@ -203,8 +204,8 @@ class _Lowering:
                       tuple(c.stride for c in convs), tuple(c.padding for c in convs),
                       tuple(c.dilation for c in convs), ngroups,
                       tuple(self.dim(c.target) for c in convs),
-                      comment=f"{what}  over {', '.join(c.text for c in convs)} "
-                              f"({step.flops:,} FLOPs)")
+                      comment=f"conv over {', '.join(c.text for c in convs)}, "
+                              f"{step.flops:,} FLOPs: {what}")
         self.emit(out, "reshape", y, tuple(self.dim(i) for i in res))
 
     def product(self, indices: list[str]) -> Dim:
@@ -238,11 +239,13 @@ class _Lowering:
         if grouped:
             var = self.emit(out, "reshape", var,
                             tuple(self.product(list(a)) for a in net.output.axes), comment=text)
-        if net.options.bias and bias_shape(net):
-            shape = tuple(self.product(list(a)) if _has_core_index(net, a) else 1
+        if var != out:  # name the result, so that the bias can be added to it in place
+            var = self.emit(out, "alias", var, comment=text)
+        if bias_shape(net):  # skipped at run time when the module has no bias
+            shape = tuple(self.product(list(a)) if from_cores(net, a) else 1
                           for a in net.output.axes)
             var = self.emit(out, "bias", var, shape, comment="bias over " + ", ".join(
-                _axis_text(a) for a in net.output.axes if _has_core_index(net, a)))
+                _axis_text(a) for a in net.output.axes if from_cores(net, a)))
         return var
 
 
@@ -251,7 +254,7 @@ def bias_shape(net: Network) -> tuple[int, ...]:
     sizes = net.sizes
     dims = []
     for axis in net.output.axes:
-        if _has_core_index(net, axis):
+        if from_cores(net, axis):
             n = 1
             for i in axis:
                 n *= sizes[i]
@@ -259,7 +262,8 @@ def bias_shape(net: Network) -> tuple[int, ...]:
     return tuple(dims)
 
 
-def _has_core_index(net: Network, axis: tuple[str, ...]) -> bool:
+def from_cores(net: Network, axis: tuple[str, ...]) -> bool:
+    """Whether an output axis carries an index that comes from the cores (the bias spans it)."""
     return any(net.index(i).role in (Role.OUTPUT_MODE, Role.PARALLEL) for i in axis)
 
 
@@ -371,6 +375,8 @@ def run(program: Program, data: Any, params: Mapping[str, Any], sizes: Mapping[s
             env[s.out] = t.flip(a[1]) if a[1] else t
         elif s.op == "reshape":
             env[s.out] = env[a[0]].reshape(tuple(dim(d) for d in a[1]))
+        elif s.op == "alias":
+            env[s.out] = env[a[0]]
         elif s.op == "permute":
             env[s.out] = env[a[0]].permute(a[1])
         elif s.op == "einsum":
@@ -378,7 +384,7 @@ def run(program: Program, data: Any, params: Mapping[str, Any], sizes: Mapping[s
         elif s.op == "conv":
             env[s.out] = _conv(F, env, dim, *a)
         elif s.op == "subsample":
-            t, axis, stride, pad, length = env[a[0]], a[1], a[2], a[3], dim(a[4])
+            t, axis, stride, pad, length = env[a[0]], a[1], a[3], a[4], dim(a[5])
             pads = [0, 0] * (t.dim() - axis - 1) + [pad, pad]
             t = F.pad(t, pads) if pad else t
             env[s.out] = t.narrow(axis, 0, (length - 1) * stride + 1)[
@@ -391,7 +397,8 @@ def run(program: Program, data: Any, params: Mapping[str, Any], sizes: Mapping[s
             spread[(slice(None),) * axis + (slice(None, None, factor),)] = t
             env[s.out] = spread
         elif s.op == "bias":
-            env[s.out] = env[a[0]] + bias.reshape(tuple(dim(d) for d in a[1]))
+            env[s.out] = env[a[0]] if bias is None else \
+                env[a[0]] + bias.reshape(tuple(dim(d) for d in a[1]))
         else:  # pragma: no cover - lowering emits only the ops above
             raise AssertionError(f"unknown op {s.op}")
     return env[program.result]

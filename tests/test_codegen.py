@@ -1,0 +1,191 @@
+"""Generated modules: flake-clean, standalone (torch only), identical to the inline module."""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import io
+import subprocess
+import sys
+from contextlib import redirect_stdout
+
+import pycodestyle
+import pytest
+import torch
+from pyflakes.api import check as pyflakes_check
+from pyflakes.reporter import Reporter
+
+import tnspec
+from tnspec.api import generate
+from tnspec.cli import main
+
+from .conftest import EXAMPLES
+
+
+def load(source: str, tmp_path, name: str = "generated"):
+    path = tmp_path / f"{name}.py"
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def class_for(module, net):
+    from tnspec.codegen import _class_name
+    return getattr(module, _class_name(net))
+
+
+def assert_same(inline: torch.nn.Module, generated: torch.nn.Module, x: torch.Tensor) -> None:
+    for (n1, p1), (n2, p2) in zip(inline.named_parameters(), generated.named_parameters()):
+        assert n1 == n2 and torch.equal(p1, p2), n1
+    x1 = x.clone().requires_grad_(True)
+    x2 = x.clone().requires_grad_(True)
+    y1, y2 = inline(x1), generated(x2)
+    assert torch.equal(y1, y2)
+    g = torch.randn_like(y1)
+    (y1 * g).sum().backward()
+    (y2 * g).sum().backward()
+    assert torch.equal(x1.grad, x2.grad)
+    for (n, p1), (_, p2) in zip(inline.named_parameters(), generated.named_parameters()):
+        assert torch.equal(p1.grad, p2.grad), n
+
+
+def example_input(net, batch: int = 2, spatial: int = 9) -> torch.Tensor:
+    shape = [batch]
+    for axis in net.input.axes[1:]:
+        n = 1
+        for i in axis:
+            n *= net.sizes.get(i, spatial)
+        shape.append(n)
+    return torch.randn(*shape)
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
+def test_generated_module_equals_inline_module(path, tmp_path):
+    text = path.read_text()
+    for net in tnspec.compile_all(text):
+        # planned for the same shape as the inline module sees, so the order is the same
+        shape = {i: 2 if net.index(i).role.value == "batch" else 9
+                 for i in [*net.with_role(tnspec.Role.BATCH), *(c.target for c in net.convs)]}
+        module = load(generate(text, names=[net.name], shape=shape), tmp_path,
+                      f"{path.stem}_{net.name}")
+        torch.manual_seed(1)
+        inline = tnspec.layer(text, name=net.name)
+        torch.manual_seed(1)
+        generated = class_for(module, net)()
+        assert generated.spec == inline.spec and generated.sizes == inline.sizes
+        torch.manual_seed(2)
+        with torch.no_grad():  # a non-zero bias, so that it is compared too
+            for m in (inline, generated):
+                if m.bias is not None:
+                    m.bias.copy_(torch.linspace(-1, 1, m.bias.numel()).reshape(m.bias.shape))
+        assert_same(inline, generated, example_input(net))
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
+def test_generated_code_is_flake_clean(path):
+    source = generate(path.read_text(), source=str(path))
+    out = io.StringIO()
+    assert pyflakes_check(source, str(path), Reporter(out, out)) == 0, out.getvalue()
+    style = pycodestyle.Checker(lines=source.splitlines(True), max_line_length=99,
+                                show_source=True, quiet=True)
+    with redirect_stdout(io.StringIO()) as report:
+        errors = style.check_all()
+    assert errors == 0, report.getvalue()
+
+
+def test_generated_module_imports_only_torch_and_runs_without_tnspec(tmp_path):
+    source = generate((EXAMPLES[0].parent / "tr_conv.tn").read_text())
+    imported = {alias.name.split(".")[0] for node in ast.walk(ast.parse(source))
+                if isinstance(node, (ast.Import, ast.ImportFrom))
+                for alias in (node.names if isinstance(node, ast.Import) else [node])
+                for alias in ([alias] if isinstance(node, ast.Import) else [])} | {
+        node.module.split(".")[0] for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.ImportFrom)}
+    assert imported == {"torch"}
+    (tmp_path / "tr_layer.py").write_text(source)
+    script = (
+        "import sys\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] == 'tnspec':\n"
+        "            raise ImportError('tnspec is not installed here')\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "import torch, tr_layer\n"
+        "m = tr_layer.TrConv(r=4)\n"
+        "print(tuple(m(torch.randn(2, 96, 8, 8)).shape))\n")
+    proc = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "(2, 96, 8, 8)"
+
+
+def test_constructor_arguments_are_the_size_parameters(tmp_path):
+    text = (EXAMPLES[0].parent / "htk2.tn").read_text()
+    module = load(generate(text), tmp_path, "htk2_sizes")
+    torch.manual_seed(0)
+    generated = module.Htk2(r0=4, phi=2, k=5, bias=False)
+    torch.manual_seed(0)
+    inline = tnspec.layer(text, r0=4, phi=2, k=5, bias=False)
+    assert generated.sizes == inline.sizes and generated.bias is None
+    assert_same(inline, generated, torch.randn(2, 64, 9, 9))
+
+
+def test_hostile_names_are_mangled_and_parameters_keep_their_spec_names(tmp_path):
+    text = "x[b, def, t+class-1], lambda[def, class, self], I[self, torch] -> y[b, torch, t]"
+    sizes = {"def": 2, "class": 3, "self": 2, "torch": 4}
+    module = load(generate(text, **sizes), tmp_path, "hostile")
+    torch.manual_seed(0)
+    inline = tnspec.layer(text, **sizes)
+    torch.manual_seed(0)
+    generated = module.TensorNetworkLayer()
+    assert dict(generated.named_parameters()).keys() == {"lambda", "I", "bias"}
+    assert_same(inline, generated, torch.randn(2, 2, 7))
+
+
+def test_wrong_input_shape_names_the_expected_size(tmp_path):
+    text = (EXAMPLES[0].parent / "htk2.tn").read_text()
+    module = load(generate(text), tmp_path, "htk2_shape")
+    for m in (tnspec.layer(text), module.Htk2()):
+        with pytest.raises(ValueError, match=r"x: expected shape \[b, c=64, h\+kh-1, w\+kw-1\], "
+                                             r"got \[2, 32, 8, 8\]"):
+            m(torch.randn(2, 32, 8, 8))
+        with pytest.raises(ValueError, match=r"expected shape .* got \[64, 8, 8\]"):
+            m(torch.randn(64, 8, 8))
+
+
+def test_cli_compile_writes_atomically(tmp_path, capsys):
+    out = tmp_path / "layer.py"
+    assert main(["compile", str(EXAMPLES[0].parent / "htk2.tn"), "-o", str(out)]) == 0
+    first = out.read_text()
+    assert "class Htk2(nn.Module):" in first
+    bad = tmp_path / "bad.tn"
+    bad.write_text("layer l(c=2) { x[b, c], W[c, o] -> y[b, o] }")
+    assert main(["compile", str(bad), "-o", str(out)]) == 2
+    assert out.read_text() == first  # a failed compile leaves the old file alone
+    assert f"{bad}:1:30: error: core index 'o' has no size" in capsys.readouterr().err
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+def test_cli_compile_options(tmp_path, capsys):
+    path = str(EXAMPLES[0].parent / "tensorized_linear.tn")
+    assert main(["compile", path, "-o", "-", "--layer", "linear2", "--set", "r=3",
+                 "--init", "graph-out", "--shape", "b=8"]) == 0
+    source = capsys.readouterr().out
+    assert "class Linear2" in source and "class Linear1" not in source
+    assert "r: int = 3" in source and "init graph-out" in source and "planned for b=8" in source
+    with pytest.raises(SystemExit):
+        main(["compile", path, "-o", "-", "--shape", "b=x"])
+
+
+def test_plan_report_for_tr_names_kinds_and_beats_dense():
+    layer = tnspec.layer((EXAMPLES[0].parent / "tr_conv.tn").read_text())
+    plan = layer.plan((32, 96, 32, 32))
+    report = plan.report()
+    assert plan.flops < 2 * plan.dense_macs
+    assert "vs dense" in report and "x fewer" in report
+    rows = report.splitlines()[3:]
+    assert len(rows) == len(plan.steps) == 7
+    assert all((" einsum " in r) or (" conv " in r) for r in rows)
+    assert sum(" conv " in r for r in rows) == 1
