@@ -102,3 +102,29 @@ def test_float32_and_float64():
         m = tnspec.layer("x[b, c, h+kh-1], W[o, c, kh] -> y[b, o, h]", c=2, o=3, kh=3,
                          dtype=dtype)
         assert m.W.dtype == dtype and m(torch.randn(2, 2, 5, dtype=dtype)).dtype == dtype
+
+
+def test_four_conv_axes_on_one_core_is_refused_clearly():
+    text = "x[b, c, p+kp-1, q+kq-1, h+kh-1, w+kw-1], W[c, kp, kq, kh, kw] -> y[b, p, q, h, w]"
+    layer = tnspec.layer(text, c=2, kp=3, kq=3, kh=3, kw=3)
+    with pytest.raises(tnspec.SpecError, match="more than 3 convolution axes"):
+        layer(torch.randn(1, 2, 5, 5, 5, 5))
+
+
+def test_four_conv_axes_split_over_cores_work():
+    text, sizes, _ = ("x[b, c, p+kp-1, q+kq-1, h+kh-1, w+kw-1], A[c, kp, kq, r], B[r, kh, kw]"
+                      " -> y[b, p, q, h, w]", dict(c=2, kp=3, kq=3, kh=3, kw=3, r=2), None)
+    torch.manual_seed(0)
+    compare(tnspec.layer(text, **sizes), torch.randn(1, 2, 5, 5, 5, 5))
+
+
+def test_spatial_axes_anywhere_in_the_input():
+    text = "x[h+kh-1, b, c, 2*w+kw-2], U[c, r], K[r, kh, kw, o] -> y[o, w, b, h]"
+    torch.manual_seed(0)
+    compare(tnspec.layer(text, c=2, r=3, kh=3, kw=3, o=2), torch.randn(7, 2, 2, 8))
+
+
+def test_compile_gives_a_network_with_plan():
+    net = tnspec.compile("x[b, c, h+kh-1], W[o, c, kh] -> y[b, o, h]", c=4, o=8, kh=3)
+    plan = net.plan((2, 4, 10))
+    assert [s.kind for s in plan.steps] == ["conv"] and plan.network.sizes["h"] == 10

@@ -32,7 +32,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 from enum import Enum
-from typing import Iterable, Mapping
+from typing import TYPE_CHECKING, Iterable, Mapping, Sequence
+
+if TYPE_CHECKING:
+    from .plan import Plan
 
 
 class Role(str, Enum):
@@ -204,6 +207,12 @@ class Network:
         if hyper:
             text += f", hyperedge{'s' * (len(hyper) > 1)} {', '.join(hyper)}"
         return text
+
+    def plan(self, shape: Sequence[int], planner: str = "auto") -> "Plan":
+        """The contraction plan for a data tensor of ``shape`` (``print(plan.report())``)."""
+        from .lower import bind_shape
+        from .plan import plan
+        return plan(bind_shape(self, tuple(shape)), planner)
 
     def bind(self, sizes: Mapping[str, int]) -> "Network":
         """The same network with run-time sizes (batch, spatial) bound."""

@@ -31,6 +31,9 @@ from .ir import Conv, Network, Role
 
 Path = list[tuple[int, ...]]
 
+#: torch has conv1d, conv2d and conv3d: one step resolves at most three relations
+MAX_CONV_DIMS = 3
+
 
 @dataclass(frozen=True)
 class Operand:
@@ -114,6 +117,12 @@ class Problem:
         self.carriers = [sum(1 << p for p, op in enumerate(self.operands)
                              if c.kernel in op.indices and p) for c in self.convs]
         self._legs: dict[int, tuple[str, ...]] = {}
+        # the cost model works on bitmasks of indices, with sizes of masks cached
+        self.bit = {i: 1 << n for n, i in enumerate(self.sizes)}
+        self._mask: dict[int, int] = {}
+        self._size: dict[int, int] = {0: 1}
+        self.conv_bits = [(self.bit[c.source], self.bit[str(c.kernel)],
+                           self.sizes[c.target] * self.sizes[str(c.kernel)]) for c in self.convs]
 
     def legs(self, subset: int) -> tuple[str, ...]:
         """Indices of the tensor contracted from the operands in ``subset`` (a bitmap)."""
@@ -132,6 +141,44 @@ class Problem:
         self._legs[subset] = tuple(legs)
         return self._legs[subset]
 
+    def mask(self, subset: int) -> int:
+        """:meth:`legs` as a bitmask of indices."""
+        if subset not in self._mask:
+            m = 0
+            for i in self.legs(subset):
+                m |= self.bit[i]
+            self._mask[subset] = m
+        return self._mask[subset]
+
+    def size(self, mask: int) -> int:
+        """Product of the sizes of the indices in ``mask``."""
+        if mask not in self._size:
+            n, rest = 1, mask
+            for i, bit in self.bit.items():
+                if rest & bit:
+                    n *= self.sizes[i]
+            self._size[mask] = n
+        return self._size[mask]
+
+    def macs(self, a: int, b: int) -> int | None:
+        """Multiply-adds of merging subsets a and b (None if not allowed); the fast path of
+        :meth:`step`, called for every merge the search considers."""
+        if b & 1:
+            a, b = b, a
+        union = a | b
+        indices = self.mask(a) | self.mask(b)
+        factor, resolved = 1, 0
+        if a & 1:
+            for (src, ker, out), carriers in zip(self.conv_bits, self.carriers):
+                inside = carriers & union
+                if inside and inside != carriers:
+                    return None
+                if inside and not carriers & a:
+                    indices &= ~(src | ker)
+                    factor *= out
+                    resolved += 1
+        return None if resolved > MAX_CONV_DIMS else factor * self.size(indices)
+
     def step(self, a: int, b: int) -> tuple[str, tuple[Conv, ...], int] | None:
         """(kind, resolved relations, multiply-adds) of merging subsets a and b; None if the
         merge is not allowed (it would hand the data side a kernel index without its conv)."""
@@ -146,6 +193,8 @@ class Problem:
                     return None
                 if inside and not carriers & a:
                     resolved.append(c)
+        if len(resolved) > MAX_CONV_DIMS:
+            return None
         la, lb = self.legs(a), self.legs(b)
         indices = set(la) | set(lb)
         macs = 1
@@ -236,19 +285,35 @@ def dynamic_programming(problem: Problem) -> Path:
     # opt_einsum numbers indices by first appearance; legs handed back must use its numbers
     number = {c: j for j, c in enumerate(Counter(chain(*inputs, output)))}
 
+    first: list[tuple[int, int]] = []
+
     def compare(cost1, cost2, i1_union_i2, size_dict, cost_cap, s1, s2, xn, g, all_tensors,
                 inputs_, i1_cut_i2_wo_output, memory_limit, contract1, contract2):
-        info = problem.step(s1, s2)
-        if info is None:
+        # opt_einsum repeats its passes until a full path exists; a second pass finds nothing new
+        if not first:
+            first.append((s1, s2))
+        elif first[0] == (s1, s2):
+            raise _NoPath
+        macs = problem.macs(s1, s2)
+        if macs is None:
             return
-        cost = cost1 + cost2 + info[2]
+        cost = cost1 + cost2 + macs
         if cost <= cost_cap:
             s = s1 | s2
             if s not in xn or cost < xn[s][1]:
                 legs = frozenset(number[i] for i in problem.plain_legs(s))
                 xn[s] = (legs, cost, (contract1, contract2))
 
-    return DynamicProgramming(minimize=compare)(inputs, output, problem.plain_sizes())
+    # no cost cap: its restarts cost more than they prune once the cost is conv-aware
+    search = DynamicProgramming(minimize=compare, cost_cap=False)
+    try:
+        return search(inputs, output, problem.plain_sizes())
+    except _NoPath:
+        return []  # replays as "no path"
+
+
+class _NoPath(Exception):
+    """Raised inside opt_einsum's search when no allowed order exists."""
 
 
 @register("greedy")
@@ -273,18 +338,27 @@ def left_to_right(problem: Problem) -> Path:
     return [(0, 1)] + [(0, m - 1) for m in range(n - 1, 1, -1)]
 
 
+#: above this many operands the exact DP (3^n merges) gives way to the greedy search
+DP_LIMIT = 12
+
+
 @register("auto")
 def auto(problem: Problem) -> Path:
-    """The cheapest of dp, dense-first and left-to-right under the conv-aware cost."""
+    """The cheapest of dp (greedy beyond DP_LIMIT operands), dense-first and left-to-right
+    under the conv-aware cost."""
     best: tuple[int, Path] | None = None
-    for name in ("dp", "dense-first", "left-to-right"):
+    search = "dp" if len(problem.operands) <= DP_LIMIT else "greedy"
+    for name in (search, "dense-first", "left-to-right"):
         path = PLANNERS[name](problem)
-        steps = problem.replay(path)
+        steps = problem.replay(path) if path else None
         if steps is not None:
             cost = sum(s.macs for s in steps)
             if best is None or cost < best[0]:
                 best = (cost, path)
-    assert best is not None, "the dp planner always finds an allowed path"
+    if best is None:
+        raise SpecError("no allowed contraction order: some core carries the kernels of more "
+                        f"than {MAX_CONV_DIMS} convolution axes, which torch cannot lower",
+                        hint="split the kernel over several cores, e.g. one per axis (CP)")
     return best[1]
 
 
