@@ -59,3 +59,23 @@ def test_console_script_works_from_another_directory(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "htk2: 3 cores" in proc.stdout
+
+
+def test_explain_shows_backbones_formula_std_compression_and_plan(capsys):
+    assert main(["explain", str(ROOT / "examples" / "htk2.tn"), "--init", "graph-out",
+                 "--shape", "b=8,h=16,w=16"]) == 0
+    out = capsys.readouterr().out
+    for piece in ("indices by role:", "hyperedge    phi=4", "backbone graph, graph-in",
+                  "backbone graph, graph-out", "S_in = c * r0 * phi * r1 * kh * kw",
+                  "= 230,400", "graph-out: prod_c Var(W_c) = 1 / (p_a S_out)",
+                  "std per core (graph-out):", "compression 4.2x", "plan (auto)",
+                  "FLOPs vs dense"):
+        assert piece in out, piece
+    assert f"std = {(0.5 * 230400) ** (-1 / 6):.6g}" in out
+
+
+def test_explain_errors(capsys):
+    assert main(["explain", str(ROOT / "examples" / "htk2.tn"), "--init", "nope"]) == 2
+    assert "unknown init 'nope'" in capsys.readouterr().err
+    assert main(["explain", str(ROOT / "examples" / "depthwise_separable.tn")]) == 2
+    assert "say which one" in capsys.readouterr().err

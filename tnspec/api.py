@@ -13,10 +13,11 @@ from . import codegen
 from . import init as initializers
 from .check import DEFAULT_MAX_ELEMENTS, check, select_layer
 from .errors import SpecError
-from .ir import INITS, Network
+from .ir import DISTRIBUTIONS, INITS, STRIDE_COUNTS, Network
 from .lower import Program, bias_shape, bind_shape, lower, run
 from .parse import parse
 from .plan import Plan, plan
+from .settings import activation_from_python
 from .codegen import summary_line
 
 
@@ -94,13 +95,14 @@ def example_shape(net: Network, given: Mapping[str, int]) -> tuple[int, ...]:
 def _with_options(net: Network, **overrides: Any) -> Network:
     """``net`` with some options replaced (None leaves an option as the spec says)."""
     values = {k: v for k, v in overrides.items() if v is not None}
-    if values.get("init") is not None and values["init"] not in INITS:
-        raise SpecError(f"unknown init {values['init']!r}",
-                        hint=f"choose one of {', '.join(INITS)}")
+    for key, choices in (("init", INITS), ("distribution", DISTRIBUTIONS),
+                         ("stride_count", STRIDE_COUNTS)):
+        if key in values and values[key] not in choices:
+            raise SpecError(f"unknown {key} {values[key]!r}",
+                            hint=f"choose one of {', '.join(choices)}")
     if "activation" in values:
-        act = compile(f"layer l {{ activation: {values['activation']}\n x[i], W[i] -> y[] }}")
-        values.update(activation=act.options.activation,
-                      activation_param=act.options.activation_param)
+        values["activation"], values["activation_param"] = \
+            activation_from_python(values["activation"])
     if "bias" in values:
         values["bias"] = bool(values["bias"])
     return replace(net, options=replace(net.options, **values)) if values else net
@@ -108,19 +110,29 @@ def _with_options(net: Network, **overrides: Any) -> Network:
 
 def layer(text: str, *, name: str | None = None, init: str | None = None,
           activation: str | float | None = None, bias: bool | None = None,
+          distribution: str | None = None, stride_count: str | None = None,
+          init_weights: Mapping[str, float] | None = None,
           dtype: torch.dtype | None = None, device: torch.device | str | None = None,
           planner: str = "auto", max_elements: int = DEFAULT_MAX_ELEMENTS,
           **sizes: Any) -> "Layer":
     """An initialized ``nn.Module`` for ``text`` (an expression, or a ``.tn`` file's text with
-    ``name`` picking the layer). ``init``, ``activation`` and ``bias`` override the spec's
-    options; keyword sizes override its parameters.
+    ``name`` picking the layer). Keyword sizes override the spec's parameters; these override
+    its options: ``init`` (graph-in, graph-out, graph-avg, kaiming-in, kaiming-out, xavier,
+    orthogonal, naive), ``activation`` (a name, ``"leaky_relu(0.1)"``, or the scale p_a),
+    ``bias``, ``distribution`` (normal, uniform), ``stride_count`` ("exact": graph-out counts
+    K/s taps on strided axes), ``init_weights`` (relative shares of a graph mode's product of
+    variances, by core name).
 
     >>> m = layer("x[b, i], W[i, o] -> y[b, o]", i=4, o=3)
     >>> m(torch.ones(2, 4)).shape
     torch.Size([2, 3])
     """
     net = compile(text, name=name, max_elements=max_elements, **sizes)
-    net = _with_options(net, init=init, activation=activation, bias=bias)
+    weights = tuple((str(k), float(v)) for k, v in init_weights.items()) if init_weights \
+        else None
+    net = _with_options(net, init=init, activation=activation, bias=bias,
+                        distribution=distribution, stride_count=stride_count,
+                        init_weights=weights)
     return Layer(net, dtype=dtype, device=device, planner=planner, max_elements=max_elements)
 
 

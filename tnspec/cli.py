@@ -1,4 +1,4 @@
-"""The ``tnspec`` command line: ``check`` and ``compile`` (``explain`` and ``draw`` fit in next).
+"""The ``tnspec`` command line: ``check``, ``compile`` and ``explain`` (``draw`` fits in next).
 
 Exit codes: 0 success, 2 a spec error or unreadable file (like a compiler), 1 anything else.
 """
@@ -13,8 +13,9 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from . import __version__
-from .api import compile_all, generate
+from .api import compile, compile_all, example_shape, generate
 from .errors import SpecError
+from .ir import INITS
 
 EXIT_OK, EXIT_FAILURE, EXIT_SPEC = 0, 1, 2
 
@@ -22,6 +23,7 @@ EPILOG = """examples:
   tnspec check examples/*.tn
   tnspec compile examples/htk2.tn -o layer.py
   tnspec compile examples/tr_conv.tn -o - --shape b=128,h=32,w=32 --set r=8 --init graph-out
+  tnspec explain examples/htk2.tn --init graph-out
 """
 
 
@@ -63,6 +65,17 @@ def _parser() -> argparse.ArgumentParser:
                       help="override size parameters of the layers that declare them")
     comp.add_argument("--init", metavar="MODE", help="override every layer's init option")
     comp.set_defaults(run=_compile)
+
+    expl = sub.add_parser("explain", help="explain a layer: roles, backbone graphs, init, plan",
+                          description="Print a layer's indices by role, the backbone graphs of "
+                          "its forward and backward networks, the variance formula with "
+                          "numbers, the std of each core, the compression and the plan.")
+    expl.add_argument("file", metavar="FILE")
+    expl.add_argument("--layer", metavar="NAME", help="the layer (default: the only one)")
+    expl.add_argument("--init", metavar="MODE", help="explain this init instead of the layer's")
+    expl.add_argument("--shape", type=_assignments, default={}, metavar="b=32,h=32,...",
+                      help="input sizes for the plan (default 32 each)")
+    expl.set_defaults(run=_explain)
     return parser
 
 
@@ -115,6 +128,19 @@ def _compile(args: argparse.Namespace) -> int:
         return EXIT_OK
     _write_atomically(Path(args.output), source)
     print(f"wrote {args.output}", file=sys.stderr)
+    return EXIT_OK
+
+
+def _explain(args: argparse.Namespace) -> int:
+    try:
+        net = compile(_read(args.file), name=args.layer)
+        if args.init is not None and args.init not in INITS:
+            raise SpecError(f"unknown init {args.init!r}", hint=f"choose one of {', '.join(INITS)}")
+        print(net.explain(args.init, example_shape(net, args.shape)))
+    except SpecError as exc:
+        for err in exc.with_filename(args.file).errors:
+            print(err.render(), file=sys.stderr)
+        return EXIT_SPEC
     return EXIT_OK
 
 

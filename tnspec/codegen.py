@@ -131,7 +131,7 @@ class _Class:
         net, i2, i3 = self.net, INDENT * 2, INDENT * 3
         inits = core_inits(net)
         names = Namer()
-        used = sorted({i for ci in inits for t in ci.terms for i in t},
+        used = sorted({i for ci in inits for _, t in ci.terms for i in t},
                       key=list(net.sizes).index)
         lines = [f"{INDENT}def reset_parameters(self) -> None:"]
         opts = net.options
@@ -141,7 +141,7 @@ class _Class:
         lines += self.load_sizes(used, names, "self.sizes", i2)
         stds: dict[tuple, str] = {}
         for ci in inits:
-            key = (ci.coef, ci.terms, ci.exponent)
+            key = (ci.terms, ci.exponent)
             if key not in stds:
                 stds[key] = names("std:" + str(len(stds)), "std" if not stds else
                                   f"std{len(stds) + 1}")
@@ -155,7 +155,7 @@ class _Class:
                     lines.append(f"{formula[0]}  # {note}")
         lines.append(f"{i2}with torch.no_grad():")
         for ci, core in zip(inits, net.cores):
-            std = stds[(ci.coef, ci.terms, ci.exponent)]
+            std = stds[(ci.terms, ci.exponent)]
             lines.append(f"{i3}{_draw(ci, _attr(ci.core), std, len(core.indices))}")
         lines += [f"{i3}if self.bias is not None:", f"{i3}{INDENT}self.bias.zero_()"]
         return lines
@@ -297,11 +297,10 @@ def _formula(f: Formula, names: Namer) -> str:
 
 
 def _std_formula(ci: CoreInit, names: Namer, indent: str) -> list[str]:
-    """``(coef * sizes...) ** (exponent)``, broken at spaces over lines if long."""
-    terms = " + ".join(" * ".join(names("size:" + i, i) for i in t) or "1" for t in ci.terms)
-    if len(ci.terms) > 1:
-        terms = f"({terms})"
-    text = f"({ci.coef!r} * {terms}) ** ({_fraction(ci.exponent)})"
+    """``(factor * sizes... + ...) ** (exponent)``, broken at spaces over lines if long."""
+    terms = " + ".join(" * ".join([repr(f)] + [names("size:" + i, i) for i in n])
+                       for f, n in ci.terms)
+    text = f"({terms}) ** ({_fraction(ci.exponent)})"
     pieces = _split_text(text, WIDTH - len(indent) - 10)
     return [pieces[0].rstrip()] + [indent + "       " + p.rstrip() for p in pieces[1:]]
 

@@ -13,13 +13,15 @@ sizes the backward network G_bt sums). With the activation's scale p_a:
     graph-out  prod_c Var(W_c) = 1 / (p_a S_out)
     graph-avg  prod_c Var(W_c) = 2 / (p_a (S_in + S_out))      (the Xavier-like harmonic form)
 
-split over the n cores by weights w_c summing to 1 (the paper's exemplar: w_c = 1/n). The
+S_in and S_out are read off the backbone graphs of the forward and the backward network
+(``analysis``), and the product is split over the n cores by weights w_c summing to 1 (the
+paper's exemplar: w_c = 1/n). The
 baselines users apply today are per core, from each core's own shape as ``torch.nn.init`` does:
 kaiming-in/out, xavier, orthogonal; and ``naive``, every core given the dense layer's Kaiming
 fan-in variance.
 
-Every std is ``(coef * sum of products of sizes) ** exponent``: a formula in the sizes, so that
-generated code can compute it for any constructor sizes, and print it.
+Every std is ``(sum of factor * product of sizes) ** exponent``: a formula in the sizes, so
+that generated code can compute it for any constructor sizes, and print it.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
+from .analysis import backbone
 from .ir import Network, Options, Role
 
 #: p_a = E[f(z)^2] / Var(z) for z ~ N(0, 1): the factor the activation applies to the variance
@@ -49,61 +52,61 @@ def activation_scale(options: Options) -> float:
 
 @dataclass(frozen=True)
 class CoreInit:
-    """How one core is drawn: ``std = (coef * sum_t prod(sizes of terms[t])) ** exponent``."""
+    """How one core is drawn: ``std = (sum_t factor_t * prod(sizes of names_t)) ** exponent``
+    over ``terms = ((factor_t, names_t), ...)``; for "orthogonal" the value is the gain."""
 
     core: str
-    method: str  # "normal", "uniform" or "orthogonal" (then std is the gain)
-    coef: float
-    terms: tuple[tuple[str, ...], ...]
+    method: str  # "normal", "uniform" or "orthogonal"
+    terms: tuple[tuple[float, tuple[str, ...]], ...]
     exponent: float
     why: str
 
     def std(self, sizes: Mapping[str, int]) -> float:
-        total = sum(math.prod(sizes[i] for i in term) for term in self.terms)
-        return (self.coef * total) ** self.exponent
+        total = sum(f * math.prod(sizes[i] for i in names) for f, names in self.terms)
+        return total ** self.exponent
 
 
-def summed_forward(net: Network) -> tuple[str, ...]:
-    """Indices the forward pass sums over: on some core, not on the output (S_in)."""
-    on_cores = dict.fromkeys(i for c in net.cores for i in c.indices)
-    return tuple(i for i in on_cores if i not in net.output.indices)
-
-
-def summed_backward(net: Network) -> tuple[str, ...]:
-    """Indices the backward network sums over: on some core, not on the input (S_out)."""
-    on_cores = dict.fromkeys(i for c in net.cores for i in c.indices)
-    return tuple(i for i in on_cores if i not in net.input.indices)
-
-
-def core_inits(net: Network, init: str | None = None,
-               weights: Sequence[float] | None = None) -> tuple[CoreInit, ...]:
+def core_inits(net: Network, init: str | None = None) -> tuple[CoreInit, ...]:
     """How to draw each core of ``net`` under ``init`` (default: the network's option).
 
-    ``weights`` split a graph mode's product of variances unequally (one per core, summing to
-    1; default equal, the paper's exemplar)."""
+    Graph modes split the product of variances over the cores by the relative weights of the
+    ``init_weights`` option (default equal: the paper's exemplar)."""
     opts = net.options
     init = init or opts.init
     p = activation_scale(opts)
     method = "normal" if opts.distribution == "normal" else "uniform"
-    n = len(net.cores)
-    if weights is None:
-        weights = [1 / n] * n
-    if len(weights) != n or abs(sum(weights) - 1) > 1e-9 or min(weights) <= 0:
-        raise ValueError(f"weights must be {n} positive numbers summing to 1, got {weights}")
     if init in ("graph-in", "graph-out", "graph-avg"):
-        s_in, s_out = summed_forward(net), summed_backward(net)
-        terms = {"graph-in": (s_in,), "graph-out": (s_out,), "graph-avg": (s_in, s_out)}[init]
-        coef = p if init != "graph-avg" else p / 2
-        formula = " + ".join("*".join(t) or "1" for t in terms)
-        return tuple(CoreInit(c.name, method, coef, terms, -w / 2,
-                              f"{init}: prod Var = 1 / ({coef:g} * ({formula})); this core's "
-                              f"share {w:.3g}") for c, w in zip(net.cores, weights))
+        s_in = backbone(net, "in")
+        s_out = backbone(net, "out", exact_stride=opts.stride_count == "exact")
+        # exact stride: a strided kernel counts K/s, a factor on top of the product of sizes
+        adjust = s_out.S / math.prod(net.sizes[i] for i in s_out.summed)
+        terms = {"graph-in": ((p, s_in.summed),),
+                 "graph-out": ((p * adjust, s_out.summed),),
+                 "graph-avg": ((p / 2, s_in.summed), (p / 2 * adjust, s_out.summed))}[init]
+        weights = _weights(net)
+        formula = " + ".join(f"{f:g} * {'*'.join(n) or '1'}" for f, n in terms)
+        return tuple(CoreInit(c.name, method, terms, -w / 2,
+                              f"{init}: prod Var(W) = 1 / ({formula}); share of {c.name}: "
+                              f"{w:.3g}") for c, w in zip(net.cores, weights))
     if init == "naive":
         fan = net.with_role(Role.INPUT_MODE, Role.KERNEL)
-        return tuple(CoreInit(c.name, method, p, (fan,), -0.5,
+        return tuple(CoreInit(c.name, method, ((p, fan),), -0.5,
                               "naive: each core gets the dense layer's Kaiming fan-in variance")
                      for c in net.cores)
     return tuple(_per_core(c.name, c.indices, init, p, method) for c in net.cores)
+
+
+def _weights(net: Network) -> list[float]:
+    given = dict(net.options.init_weights)
+    names = [c.name for c in net.cores]
+    unknown = set(given) - set(names)
+    if unknown:
+        raise ValueError(f"init_weights names {sorted(unknown)[0]!r}, which is not a core; "
+                         f"cores: {', '.join(names)}")
+    raw = [given.get(n, 1.0) if given else 1.0 for n in names]
+    if min(raw) <= 0 or not all(math.isfinite(w) for w in raw):
+        raise ValueError(f"init_weights must be positive numbers, got {given}")
+    return [w / sum(raw) for w in raw]
 
 
 def _per_core(name: str, shape: tuple[str, ...], init: str, p: float, method: str) -> CoreInit:
@@ -113,14 +116,15 @@ def _per_core(name: str, shape: tuple[str, ...], init: str, p: float, method: st
     fan_in = (shape[1:2] + rest) if len(shape) > 1 else shape
     fan_out = shape[:1] + rest
     if init == "kaiming-in":
-        return CoreInit(name, method, p, (fan_in,), -0.5, "kaiming fan-in on the core's shape")
+        return CoreInit(name, method, ((p, fan_in),), -0.5, "kaiming fan-in on the core's shape")
     if init == "kaiming-out":
-        return CoreInit(name, method, p, (fan_out,), -0.5, "kaiming fan-out on the core's shape")
+        return CoreInit(name, method, ((p, fan_out),), -0.5,
+                        "kaiming fan-out on the core's shape")
     if init == "xavier":
-        return CoreInit(name, method, p / 2, (fan_in, fan_out), -0.5,
+        return CoreInit(name, method, ((p / 2, fan_in), (p / 2, fan_out)), -0.5,
                         "xavier on the core's shape")
     if init == "orthogonal":
-        return CoreInit(name, "orthogonal", p, ((),), -0.5, "orthogonal, gain 1/sqrt(p_a)")
+        return CoreInit(name, "orthogonal", ((p, ()),), -0.5, "orthogonal, gain 1/sqrt(p_a)")
     raise ValueError(f"unknown init {init!r}")
 
 

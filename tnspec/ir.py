@@ -24,7 +24,8 @@ A :class:`Network` is one *data tensor* flowing through *cores* into one *result
 - Roles are derived from which tensors carry an index (see :func:`assign_roles`); the same rule
   serves forward and backward networks, so nothing here assumes which tensor is "x".
 
-Nothing in this module imports torch.
+Nothing in this module imports torch. The methods ``backbone``, ``backward``, ``explain`` and
+``plan`` are conveniences that call the stage modules.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from enum import Enum
 from typing import TYPE_CHECKING, Iterable, Mapping, Sequence
 
 if TYPE_CHECKING:
+    from .analysis import Backbone
     from .plan import Plan
 
 
@@ -112,18 +114,21 @@ INITS = ("graph-in", "graph-out", "graph-avg", "kaiming-in", "kaiming-out", "xav
          "orthogonal", "naive")
 ACTIVATIONS = ("linear", "relu", "leaky_relu", "tanh", "sigmoid", "gelu", "silu")
 DISTRIBUTIONS = ("normal", "uniform")
+STRIDE_COUNTS = ("paper", "exact")
 
 
 @dataclass(frozen=True)
 class Options:
     """Per-layer options. ``activation`` is a name from ACTIVATIONS or a number (the scale p_a);
-    ``activation_param`` is the slope of leaky_relu."""
+    ``activation_param`` is the slope of leaky_relu. ``init_weights`` is set from Python only."""
 
     init: str = "graph-in"
     activation: str | float = "relu"
     activation_param: float | None = None
     bias: bool = True
     distribution: str = "normal"
+    stride_count: str = "paper"  # "exact": graph-out counts K/s taps on a strided axis
+    init_weights: tuple[tuple[str, float], ...] = ()  # relative shares of prod Var, by core
 
 
 #: a size formula: ("int", 3), ("name", "k"), or (op, formula, formula) with op in + - * //
@@ -207,6 +212,22 @@ class Network:
         if hyper:
             text += f", hyperedge{'s' * (len(hyper) > 1)} {', '.join(hyper)}"
         return text
+
+    def backbone(self, mode: str = "in", exact_stride: bool = False) -> "Backbone":
+        """The paper's backbone graph of this network ("in") or of its backward one ("out")."""
+        from .analysis import backbone
+        return backbone(self, mode, exact_stride)
+
+    def backward(self, data_shape: Sequence[int] | None = None) -> "Network":
+        """The backward network G_bt (reproducing transformation); ``data_shape`` pins dx's
+        spatial sizes to the forward data's."""
+        from .backward import backward
+        return backward(self, data_shape)
+
+    def explain(self, init: str | None = None, shape: Sequence[int] | None = None) -> str:
+        """Roles, backbones, variance formula, std per core, compression and plan, as text."""
+        from .analysis import explain
+        return explain(self, init, shape)
 
     def plan(self, shape: Sequence[int], planner: str = "auto") -> "Plan":
         """The contraction plan for a data tensor of ``shape`` (``print(plan.report())``)."""

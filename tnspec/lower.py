@@ -84,6 +84,7 @@ class _Lowering:
         self.static: dict[str, str] = {}  # variable -> index name of core sizes used
         self.layout: dict[str, tuple[str, ...]] = {}  # variable -> index names of its axes
         self.var: dict[str, str] = {}  # operand name in the plan -> current variable
+        self.spread: dict[str, str] = {}  # source index -> its size once spread (T)
 
     def emit(self, out: str, op: str, *args: Any, comment: str = "") -> str:
         self.stmts.append(Stmt(out, op, args, comment))
@@ -95,6 +96,8 @@ class _Lowering:
 
     def dim(self, index: str) -> Dim:
         """The variable holding the size of ``index`` (static sizes are read from the module)."""
+        if index in self.spread:
+            return self.spread[index]
         if self.runtime(index):
             return self.name("size:" + index, _size_base(index, self.net))
         var = self.name("size:" + index, index)
@@ -159,6 +162,10 @@ class _Lowering:
                 axis = layout.index(c.source)
                 var = self.emit(self.name("tensor:dilated", "dilated"), "dilate", var, axis,
                                 c.input_dilation, comment=f"spread {c.source} by {c.input_dilation}")
+                n = self.dim(c.source)
+                self.spread[c.source] = self.emit(self.name("size:spread:" + c.source,
+                                                            f"{n}_spread"),
+                                                  "spread_size", n, c.input_dilation)
             if c.kernel is None:
                 axis = layout.index(c.source)
                 var = self.emit(self.name("tensor:sub:" + c.target, "sub"), "subsample", var,
@@ -385,10 +392,13 @@ def run(program: Program, data: Any, params: Mapping[str, Any], sizes: Mapping[s
             env[s.out] = _conv(F, env, dim, *a)
         elif s.op == "subsample":
             t, axis, stride, pad, length = env[a[0]], a[1], a[3], a[4], dim(a[5])
-            pads = [0, 0] * (t.dim() - axis - 1) + [pad, pad]
-            t = F.pad(t, pads) if pad else t
-            env[s.out] = t.narrow(axis, 0, (length - 1) * stride + 1)[
-                (slice(None),) * axis + (slice(None, None, stride),)]
+            # positions -pad, -pad + stride, ...: pad (or crop, if negative) to exactly that span
+            right = (length - 1) * stride + 1 - t.shape[axis] - pad
+            if pad or right:
+                t = F.pad(t, [0, 0] * (t.dim() - axis - 1) + [pad, right])
+            env[s.out] = t[(slice(None),) * axis + (slice(None, None, stride),)]
+        elif s.op == "spread_size":
+            env[s.out] = (dim(a[0]) - 1) * a[1] + 1
         elif s.op == "dilate":
             t, axis, factor = env[a[0]], a[1], a[2]
             shape = list(t.shape)

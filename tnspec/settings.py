@@ -9,15 +9,16 @@ from __future__ import annotations
 import difflib
 import math
 import operator
+import re
 from typing import Any, Callable
 
-from .errors import Span
-from .ir import ACTIVATIONS, DISTRIBUTIONS, INITS, Options
+from .errors import Span, SpecError
+from .ir import ACTIVATIONS, DISTRIBUTIONS, INITS, STRIDE_COUNTS, Options
 from .parse import LayerNode, SizeExpr
 
 Report = Callable[[str, "Span | None", "str | None"], None]
 
-_OPTION_KEYS = ("init", "activation", "bias", "distribution")
+_OPTION_KEYS = ("init", "activation", "bias", "distribution", "stride_count")
 _OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul, "//": operator.floordiv}
 
 
@@ -149,7 +150,7 @@ class _OptionReader:
     def option_value(self, key: str, value: str | float, arg: float | None,
                      span: Span) -> Any:
         choices = {"init": INITS, "distribution": DISTRIBUTIONS, "activation": ACTIVATIONS,
-                   "bias": ("true", "false")}[key]
+                   "bias": ("true", "false"), "stride_count": STRIDE_COUNTS}[key]
         if key == "activation" and isinstance(value, float):
             if value <= 0 or not math.isfinite(value):
                 self.error(f"activation scale {value} must be a positive number", span,
@@ -170,3 +171,23 @@ class _OptionReader:
         return value
 
     # ---- the network ------------------------------------------------------------------------
+
+
+def activation_from_python(value: str | float) -> tuple[str | float, float | None]:
+    """An activation given from Python: ``"relu"``, ``"leaky_relu(0.1)"`` or a number (the
+    scale p_a), as ``(activation, activation_param)``; a SpecError otherwise."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if value > 0 and math.isfinite(value):
+            return float(value), None
+        raise SpecError(f"activation scale {value} must be a positive number")
+    match = re.fullmatch(r"\s*([a-z_]+)\s*(?:\(\s*([-+0-9.eE]+)\s*\))?\s*", str(value))
+    if match and match.group(1) in ACTIVATIONS and (match.group(2) is None or
+                                                    match.group(1) == "leaky_relu"):
+        try:
+            return match.group(1), None if match.group(2) is None else float(match.group(2))
+        except ValueError:
+            pass
+    close = difflib.get_close_matches(str(value), ACTIVATIONS, n=1)
+    raise SpecError(f"invalid activation: {value!r}",
+                    hint=f"did you mean {close[0]!r}?" if close else
+                    f"choose one of {', '.join(ACTIVATIONS)}, 'leaky_relu(slope)' or a number")
