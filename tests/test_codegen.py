@@ -123,7 +123,8 @@ def test_generated_module_imports_only_torch_and_runs_without_tnspec(tmp_path):
 
 def test_constructor_arguments_are_the_size_parameters(tmp_path):
     text = (EXAMPLES[0].parent / "htk2.tn").read_text()
-    module = load(generate(text), tmp_path, "htk2_sizes")
+    module = load(generate(text, shape=dict(b=2, h=9, w=9), r0=4, phi=2, k=5), tmp_path,
+                  "htk2_sizes")
     torch.manual_seed(0)
     generated = module.Htk2(r0=4, phi=2, k=5, bias=False)
     torch.manual_seed(0)
@@ -135,7 +136,7 @@ def test_constructor_arguments_are_the_size_parameters(tmp_path):
 def test_hostile_names_are_mangled_and_parameters_keep_their_spec_names(tmp_path):
     text = "x[b, def, t+class-1], lambda[def, class, self], I[self, torch] -> y[b, torch, t]"
     sizes = {"def": 2, "class": 3, "self": 2, "torch": 4}
-    module = load(generate(text, **sizes), tmp_path, "hostile")
+    module = load(generate(text, shape=dict(b=2, t=7), **sizes), tmp_path, "hostile")
     torch.manual_seed(0)
     inline = tnspec.layer(text, **sizes)
     torch.manual_seed(0)

@@ -38,7 +38,7 @@ def generate(programs: Sequence[tuple[Program, str]], source: str | None = None)
     lines = head + [""]
     if source is not None:
         lines.append(f"# source: {source!r}")
-    uses_f = any(s.op in ("conv", "subsample") for p, _ in programs for s in p.stmts)
+    uses_f = any(s.op in ("conv", "linear", "subsample") for p, _ in programs for s in p.stmts)
     lines += ["import torch"] + (["import torch.nn.functional as F"] if uses_f else []) + \
         ["from torch import nn"]
     for program, summary in programs:
@@ -185,7 +185,7 @@ class _Class:
     def stmt(self, s: Stmt, indent: str) -> list[str]:
         a = s.args
         comment = _comment(s.comment, indent) if s.comment and s.op in (
-            "einsum", "conv", "param", "subsample") else []
+            "einsum", "conv", "linear", "param", "subsample") else []
         tail = f"  # {s.comment}" if s.comment and not comment else ""
         if s.op == "expect":
             checks = [f"{a[0]}.shape[{n}] != {_dim(d)}" for n, (_, d) in enumerate(a[1])
@@ -218,6 +218,8 @@ class _Class:
             return [f"{indent}{s.out} = {a[0]}.permute({', '.join(map(str, a[1]))}){tail}"]
         if s.op == "einsum":
             return comment + [f"{indent}{s.out} = torch.einsum({a[0]!r}, {a[1]}, {a[2]})"]
+        if s.op == "linear":
+            return comment + [f"{indent}{s.out} = F.linear({a[0]}, {a[1]})"]
         if s.op == "conv":
             nd, x, w, stride, padding, dilation, groups, _targets = a
             args = [x, w, f"stride={_tuple(stride)}", f"padding={_tuple(padding)}",

@@ -85,6 +85,7 @@ class _Lowering:
         self.layout: dict[str, tuple[str, ...]] = {}  # variable -> index names of its axes
         self.var: dict[str, str] = {}  # operand name in the plan -> current variable
         self.spread: dict[str, str] = {}  # source index -> its size once spread (T)
+        self.spatial = {c.source for c in self.net.convs} | {c.target for c in self.net.convs}
 
     def emit(self, out: str, op: str, *args: Any, comment: str = "") -> str:
         self.stmts.append(Stmt(out, op, args, comment))
@@ -181,8 +182,16 @@ class _Lowering:
         what = (f"{_operand_text(step.left.name, step.left.indices)} * "
                 f"{_operand_text(step.right.name, step.right.indices)} -> "
                 f"{_operand_text(step.result.name, step.result.indices)}")
-        if step.kind == "conv":
-            self.conv(step, left, right, out, what)
+        spatial = [i for i in step.left.indices if i in self.spatial] if step.data_side else []
+        shared_kept = [i for i in step.left.indices if i in step.right.indices
+                       and i in step.result.indices]
+        if step.data_side and len(spatial) > 3 and step.convs:
+            # torch convolves at most 3 axes: the others ride along with the batch
+            self.conv(step, left, right, out, what, [c.source for c in step.convs])
+        elif step.data_side and 1 <= len(spatial) <= 3 and (step.convs or step.impl == "conv"):
+            self.conv(step, left, right, out, what, spatial)
+        elif step.data_side and not spatial and not shared_kept:
+            self.linear(step, left, right, out, what)
         else:
             eq = _equation(step.left.indices, step.right.indices, step.result.indices)
             self.emit(out, "einsum", eq, left, right,
@@ -190,30 +199,53 @@ class _Lowering:
         self.var[step.result.name] = out
         self.layout[out] = step.result.indices
 
-    def conv(self, step: Step, left: str, right: str, out: str, what: str) -> None:
+    def conv(self, step: Step, left: str, right: str, out: str, what: str,
+             spatial: list[str]) -> None:
+        """A grouped convolution over every spatial axis of the data side: the relations this
+        step resolves with their kernels, the others with a kernel of 1 (a 1x1 convolution
+        is how the data side mixes channels without moving the data)."""
         L, R = step.left.indices, step.right.indices
         res = step.result.indices
-        convs = list(step.convs)
-        sources = [c.source for c in convs]
-        kernels = [str(c.kernel) for c in convs]
-        batch = [i for i in L if i not in R and i not in sources]
+        by_source = {c.source: c for c in step.convs}
+        kernels = [str(c.kernel) for c in step.convs]
+        batch = [i for i in L if i not in R and i not in spatial]
         groups = [i for i in L if i in R and i in res]
         chans = [i for i in L if i in R and i not in res]
         outs = [i for i in R if i not in L and i not in kernels]
-        spatial_in = [self.dim(s) for s in sources]
-        x = self.arrange(left, L, batch + groups + chans + sources,
-                         [-1, self.product(groups + chans)] + spatial_in)
-        w = self.arrange(right, R, groups + outs + chans + kernels,
+        convs = [by_source.get(i) for i in spatial]
+        x = self.arrange(left, L, batch + groups + chans + spatial,
+                         [-1, self.product(groups + chans)] + [self.dim(i) for i in spatial])
+        w = self.arrange(right, R, groups + outs + chans + [str(c.kernel) for c in convs if c],
                          [self.product(groups + outs), self.product(chans)] +
-                         [self.dim(k) for k in kernels])
-        ngroups = self.product(groups)
-        y = self.emit(self.name("tensor:conv:" + out, out + "_conv"), "conv", len(convs), x, w,
-                      tuple(c.stride for c in convs), tuple(c.padding for c in convs),
-                      tuple(c.dilation for c in convs), ngroups,
-                      tuple(self.dim(c.target) for c in convs),
-                      comment=f"conv over {', '.join(c.text for c in convs)}, "
-                              f"{step.flops:,} FLOPs: {what}")
-        self.emit(out, "reshape", y, tuple(self.dim(i) for i in res))
+                         [self.dim(str(c.kernel)) if c else 1 for c in convs])
+        over = ", ".join(c.text for c in step.convs)
+        kind = f"conv over {over}" if over else "1x1 conv (channel mixing)"
+        y = self.emit(self.name("tensor:conv:" + out, out + "_conv"), "conv", len(spatial), x, w,
+                      tuple(c.stride if c else 1 for c in convs),
+                      tuple(c.padding if c else 0 for c in convs),
+                      tuple(c.dilation if c else 1 for c in convs), self.product(groups),
+                      tuple(self.dim(c.target if c else i) for c, i in zip(convs, spatial)),
+                      comment=f"{kind}, {step.flops:,} FLOPs: {what}")
+        targets = [c.target if c else i for c, i in zip(convs, spatial)]
+        natural = batch + groups + outs + targets
+        if natural == list(res):
+            self.emit(out, "reshape", y, tuple(self.dim(i) for i in res))
+        else:  # only when some spatial axes rode along with the batch
+            y = self.emit(self.name("tensor:conv_r:" + out, out + "_r"), "reshape", y,
+                          tuple(self.dim(i) for i in natural))
+            self.emit(out, "permute", y, tuple(natural.index(i) for i in res))
+
+    def linear(self, step: Step, left: str, right: str, out: str, what: str) -> None:
+        """A data-side step without spatial axes or groups: one ``F.linear``."""
+        L, R = step.left.indices, step.right.indices
+        batch = [i for i in L if i not in R]
+        chans = [i for i in L if i in R]
+        outs = [i for i in R if i not in L]
+        x = self.arrange(left, L, batch + chans, [-1, self.product(chans)])
+        w = self.arrange(right, R, outs + chans, [self.product(outs), self.product(chans)])
+        y = self.emit(self.name("tensor:lin:" + out, out + "_lin"), "linear", x, w,
+                      comment=f"linear, {step.flops:,} FLOPs: {what}")
+        self.emit(out, "reshape", y, tuple(self.dim(i) for i in step.result.indices))
 
     def product(self, indices: list[str]) -> Dim:
         if not indices:
@@ -390,6 +422,8 @@ def run(program: Program, data: Any, params: Mapping[str, Any], sizes: Mapping[s
             env[s.out] = torch.einsum(a[0], env[a[1]], env[a[2]])
         elif s.op == "conv":
             env[s.out] = _conv(F, env, dim, *a)
+        elif s.op == "linear":
+            env[s.out] = F.linear(env[a[0]], env[a[1]])
         elif s.op == "subsample":
             t, axis, stride, pad, length = env[a[0]], a[1], a[3], a[4], dim(a[5])
             # positions -pad, -pad + stride, ...: pad (or crop, if negative) to exactly that span

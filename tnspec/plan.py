@@ -45,14 +45,18 @@ class Operand:
 
 @dataclass(frozen=True)
 class Step:
-    """One pairwise contraction. For a conv step ``left`` is the data side."""
+    """One pairwise contraction. When one operand descends from the data, it is ``left``
+    (``data_side``); its result is laid out (batch, groups, out channels, spatial)."""
 
     left: Operand
     right: Operand
     result: Operand
-    kind: str  # "einsum" or "conv"
+    kind: str  # "conv" if it resolves conv relations, else "einsum"
     convs: tuple[Conv, ...]
     macs: int
+    data_side: bool = False
+    impl: str = "einsum"  # how lowering runs a step without relations: "einsum" or "conv"
+    seconds: float = 0.0  # the cost model's forward+backward estimate
 
     @property
     def flops(self) -> int:
@@ -97,13 +101,49 @@ def _operand(op: Operand) -> str:
     return f"{op.name}[{', '.join(op.indices)}]"
 
 
+# ---- the cost model -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Predicted seconds of one step, forward and backward (about three times the forward
+    work): multiply-adds at a rate that depends on the kind of step, plus memory traffic,
+    plus a fixed overhead. A convolution runs below peak when it has few channels per group,
+    ``(cin / (cin + c0)) * (cout / (cout + c0))``, and grouped ones more slowly still.
+
+    The defaults were fitted (``benchmarks/calibrate.py``) to 95 timed steps, float32 on 2 CPU
+    threads: median error x1.4. ``scale`` adjusts for the element size (float64: 2).
+    """
+
+    conv_rate: float = 1.57e11  # multiply-adds per second at full efficiency
+    einsum_rate: float = 9.17e10
+    channels: float = 9.14  # c0
+    bandwidth: float = 2.63e9  # elements per second
+    overhead: float = 1.27e-4  # seconds per step
+    grouped: float = 1.22  # slowdown of grouped (not depthwise) convolutions
+    scale: float = 1.0
+
+    def conv(self, batch: int, groups: int, cin: int, cout: int, positions: int, kernel: int,
+             traffic: int) -> float:
+        macs = batch * groups * cin * cout * positions * kernel
+        eff = (cin / (cin + self.channels)) * (cout / (cout + self.channels))
+        if groups > 1 and max(cin, cout) > 1:
+            eff /= self.grouped
+        return self.scale * (3 * macs / (self.conv_rate * eff) + 3 * traffic / self.bandwidth) \
+            + self.overhead
+
+    def einsum(self, macs: int, traffic: int) -> float:
+        return self.scale * (3 * macs / self.einsum_rate + 3 * traffic / self.bandwidth) + \
+            self.overhead
+
+
 # ---- the problem ----------------------------------------------------------------------------
 
 
 class Problem:
     """The contraction problem of a bound network, with the exact conv-aware cost model."""
 
-    def __init__(self, net: Network) -> None:
+    def __init__(self, net: Network, model: "CostModel | None" = None) -> None:
         self.net = net
         self.sizes = net.sizes
         # kernel-less relations (pure subsampling) are applied to the data before any step
@@ -113,6 +153,8 @@ class Problem:
             Operand(c.name, c.indices) for c in net.cores]
         self.output = tuple(net.output.indices)
         self.convs = tuple(c for c in net.convs if c.kernel is not None)
+        #: the data side's spatial axes: every source and target (kernel-less ones included)
+        self.spatial = frozenset(c.source for c in net.convs) | {c.target for c in net.convs}
         # which operands carry each relation's kernel (bitmap over operand positions)
         self.carriers = [sum(1 << p for p, op in enumerate(self.operands)
                              if c.kernel in op.indices and p) for c in self.convs]
@@ -123,6 +165,10 @@ class Problem:
         self._size: dict[int, int] = {0: 1}
         self.conv_bits = [(self.bit[c.source], self.bit[str(c.kernel)],
                            self.sizes[c.target] * self.sizes[str(c.kernel)]) for c in self.convs]
+        self.spatial_bits = 0
+        for i in self.spatial:
+            self.spatial_bits |= self.bit.get(i, 0)
+        self.model = model or CostModel()
 
     def legs(self, subset: int) -> tuple[str, ...]:
         """Indices of the tensor contracted from the operands in ``subset`` (a bitmap)."""
@@ -160,24 +206,50 @@ class Problem:
             self._size[mask] = n
         return self._size[mask]
 
-    def macs(self, a: int, b: int) -> int | None:
-        """Multiply-adds of merging subsets a and b (None if not allowed); the fast path of
-        :meth:`step`, called for every merge the search considers."""
+    def cost(self, a: int, b: int) -> float | None:
+        """Predicted seconds (forward and backward) of merging subsets a and b, or None if
+        the merge is not allowed. Called for every merge the search considers: bitmasks only."""
         if b & 1:
             a, b = b, a
         union = a | b
-        indices = self.mask(a) | self.mask(b)
-        factor, resolved = 1, 0
+        la, lb, res = self.mask(a), self.mask(b), self.mask(union)
+        kernel, resolved = 1, 0
         if a & 1:
-            for (src, ker, out), carriers in zip(self.conv_bits, self.carriers):
+            for (src, ker, _), carriers in zip(self.conv_bits, self.carriers):
                 inside = carriers & union
                 if inside and inside != carriers:
                     return None
                 if inside and not carriers & a:
-                    indices &= ~(src | ker)
-                    factor *= out
+                    kernel *= self.size(ker)
+                    la &= ~src  # priced through the result's positions
+                    lb &= ~ker
                     resolved += 1
-        return None if resolved > MAX_CONV_DIMS else factor * self.size(indices)
+            if resolved > MAX_CONV_DIMS:
+                return None
+        size = self.size
+        shared = la & lb
+        groups, chans = size(shared & res), size(shared & ~res)
+        outs = size(lb & ~la)
+        traffic = size(self.mask(a)) + size(self.mask(b)) + size(res)
+        if a & 1 and res & self.spatial_bits:
+            batch = size(la & ~lb & ~self.spatial_bits)
+            positions = size(res & self.spatial_bits)
+            conv = self.model.conv(batch, groups, chans, outs, positions, kernel, traffic)
+            if resolved:
+                return conv
+            return min(conv, self.model.einsum(size(la | lb), traffic))
+        return self.model.einsum(size(la | lb) * kernel, traffic)
+
+    def impl(self, a: int, b: int) -> str:
+        """How lowering runs a data-side merge that resolves no relation: as a 1x1 "conv" or
+        an "einsum", whichever the model prices lower."""
+        if b & 1:
+            a, b = b, a
+        if not (a & 1 and self.mask(a | b) & self.spatial_bits):
+            return "einsum"
+        traffic = sum(self.size(self.mask(s)) for s in (a, b, a | b))
+        einsum = self.model.einsum(self.size(self.mask(a) | self.mask(b)), traffic)
+        return "einsum" if einsum <= (self.cost(a, b) or 0.0) else "conv"
 
     def step(self, a: int, b: int) -> tuple[str, tuple[Conv, ...], int] | None:
         """(kind, resolved relations, multiply-adds) of merging subsets a and b; None if the
@@ -242,25 +314,29 @@ class Problem:
             kind, convs, macs = info
             if b & 1:
                 a, b, left, right = b, a, right, left
-            order = self.result_order(left, right, convs, self.legs(a | b))
+            order = self.result_order(left, right, convs, self.legs(a | b), bool(a & 1))
             result = Operand(f"t{len(steps) + 1}", order)
-            steps.append(Step(left, right, result, kind, convs, macs))
+            seconds = self.cost(a, b) or 0.0
+            impl = "conv" if convs else self.impl(a, b)
+            steps.append(Step(left, right, result, kind, convs, macs, bool(a & 1), impl,
+                              seconds))
             live.append((a | b, result))
         return steps if len(live) == 1 else None
 
     def result_order(self, left: Operand, right: Operand, convs: Sequence[Conv],
-                     kept: Sequence[str]) -> tuple[str, ...]:
-        """Layout of a step's result (the set ``kept``): for a conv, (batch, groups, out
-        channels, targets) as grouped convolution produces it; else left's order, then right's."""
+                     kept: Sequence[str], data_side: bool) -> tuple[str, ...]:
+        """Layout of a step's result (the set ``kept``). On the data side: (batch, groups, out
+        channels, spatial), as a grouped convolution produces it, so that a chain of such
+        steps never moves the data; among cores: left's order, then right's."""
         kept_set = set(kept)
-        if not convs:
+        if not data_side:
             return tuple(i for i in dict.fromkeys(chain(left.indices, right.indices))
                          if i in kept_set)
         targets = {c.source: c.target for c in convs}
-        batch = [i for i in left.indices if i not in right.indices and i not in targets]
+        spatial = [targets.get(i, i) for i in left.indices if i in self.spatial]
+        batch = [i for i in left.indices if i not in right.indices and i not in self.spatial]
         groups = [i for i in left.indices if i in right.indices and i in kept_set]
         outs = [i for i in right.indices if i not in left.indices and i in kept_set]
-        spatial = [targets[i] for i in left.indices if i in targets]
         return tuple(batch + groups + outs + spatial)
 
 
@@ -294,10 +370,10 @@ def dynamic_programming(problem: Problem) -> Path:
             first.append((s1, s2))
         elif first[0] == (s1, s2):
             raise _NoPath
-        macs = problem.macs(s1, s2)
-        if macs is None:
+        step = problem.cost(s1, s2)
+        if step is None:
             return
-        cost = cost1 + cost2 + macs
+        cost = cost1 + cost2 + step
         if cost <= cost_cap:
             s = s1 | s2
             if s not in xn or cost < xn[s][1]:
@@ -346,13 +422,13 @@ DP_LIMIT = 12
 def auto(problem: Problem) -> Path:
     """The cheapest of dp (greedy beyond DP_LIMIT operands), dense-first and left-to-right
     under the conv-aware cost."""
-    best: tuple[int, Path] | None = None
+    best: tuple[float, Path] | None = None
     search = "dp" if len(problem.operands) <= DP_LIMIT else "greedy"
     for name in (search, "dense-first", "left-to-right"):
         path = PLANNERS[name](problem)
         steps = problem.replay(path) if path else None
         if steps is not None:
-            cost = sum(s.macs for s in steps)
+            cost = sum(s.seconds for s in steps)
             if best is None or cost < best[0]:
                 best = (cost, path)
     if best is None:
@@ -362,13 +438,13 @@ def auto(problem: Problem) -> Path:
     return best[1]
 
 
-def plan(net: Network, planner: str = "auto", *,
-         max_elements: int = DEFAULT_MAX_ELEMENTS) -> Plan:
+def plan(net: Network, planner: str = "auto", *, max_elements: int = DEFAULT_MAX_ELEMENTS,
+         model: CostModel | None = None) -> Plan:
     """Plan the contraction of ``net``, whose sizes must all be bound (see ``bind_shape``).
     An intermediate with more than ``max_elements`` elements per sample is refused."""
     if planner not in PLANNERS:
         raise ValueError(f"unknown planner {planner!r}; known: {', '.join(sorted(PLANNERS))}")
-    problem = Problem(net)
+    problem = Problem(net, model)
     if len(problem.operands) == 1:
         steps: list[Step] = []
     else:
