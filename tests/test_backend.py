@@ -128,3 +128,11 @@ def test_compile_gives_a_network_with_plan():
     net = tnspec.compile("x[b, c, h+kh-1], W[o, c, kh] -> y[b, o, h]", c=4, o=8, kh=3)
     plan = net.plan((2, 4, 10))
     assert [s.kind for s in plan.steps] == ["conv"] and plan.network.sizes["h"] == 10
+
+
+def test_autotune_keeps_a_correct_candidate():
+    text, sizes, shape = spec("tr", 2, 1, "same", 1)
+    torch.manual_seed(0)
+    module = tnspec.layer(text, autotune=True, **sizes)
+    compare(module, torch.randn(2, *shape))
+    assert len(module._programs) == 1

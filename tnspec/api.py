@@ -3,6 +3,7 @@ an initialized ``torch.nn.Module``), and the module class itself."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 from typing import Any, Mapping, Sequence
 
@@ -113,15 +114,16 @@ def layer(text: str, *, name: str | None = None, init: str | None = None,
           distribution: str | None = None, stride_count: str | None = None,
           init_weights: Mapping[str, float] | None = None,
           dtype: torch.dtype | None = None, device: torch.device | str | None = None,
-          planner: str = "auto", max_elements: int = DEFAULT_MAX_ELEMENTS,
-          **sizes: Any) -> "Layer":
+          planner: str = "auto", autotune: bool = False,
+          max_elements: int = DEFAULT_MAX_ELEMENTS, **sizes: Any) -> "Layer":
     """An initialized ``nn.Module`` for ``text`` (an expression, or a ``.tn`` file's text with
     ``name`` picking the layer). Keyword sizes override the spec's parameters; these override
     its options: ``init`` (graph-in, graph-out, graph-avg, kaiming-in, kaiming-out, xavier,
     orthogonal, naive), ``activation`` (a name, ``"leaky_relu(0.1)"``, or the scale p_a),
     ``bias``, ``distribution`` (normal, uniform), ``stride_count`` ("exact": graph-out counts
     K/s taps on strided axes), ``init_weights`` (relative shares of a graph mode's product of
-    variances, by core name).
+    variances, by core name). With ``autotune=True`` the first call for each input shape times
+    the candidate contraction orders and keeps the fastest.
 
     >>> m = layer("x[b, i], W[i, o] -> y[b, o]", i=4, o=3)
     >>> m(torch.ones(2, 4)).shape
@@ -133,7 +135,8 @@ def layer(text: str, *, name: str | None = None, init: str | None = None,
     net = _with_options(net, init=init, activation=activation, bias=bias,
                         distribution=distribution, stride_count=stride_count,
                         init_weights=weights)
-    return Layer(net, dtype=dtype, device=device, planner=planner, max_elements=max_elements)
+    return Layer(net, dtype=dtype, device=device, planner=planner, autotune=autotune,
+                 max_elements=max_elements)
 
 
 class Layer(nn.Module):
@@ -145,8 +148,9 @@ class Layer(nn.Module):
 
     def __init__(self, network: Network, *, dtype: torch.dtype | None = None,
                  device: torch.device | str | None = None, planner: str = "auto",
-                 max_elements: int = DEFAULT_MAX_ELEMENTS) -> None:
+                 autotune: bool = False, max_elements: int = DEFAULT_MAX_ELEMENTS) -> None:
         super().__init__()
+        self.autotune = autotune
         self.network = network
         self.spec = network.spec
         self.sizes = dict(network.sizes)
@@ -178,10 +182,42 @@ class Layer(nn.Module):
                     max_elements=self.max_elements)
 
     def program(self, shape: Sequence[int]) -> Program:
+        """The lowered statements for an input of ``shape`` (planned once, then cached)."""
         key = tuple(int(n) for n in shape)
         if key not in self._programs:
-            self._programs[key] = lower(self.plan(key))
+            self._programs[key] = self._fastest(key) if self.autotune else lower(self.plan(key))
         return self._programs[key]
+
+    def _fastest(self, shape: tuple[int, ...], repeats: int = 3) -> Program:
+        """Time every distinct candidate order (forward and backward) and keep the fastest."""
+        bound = bind_shape(self.network, shape)
+        programs: dict[tuple, Program] = {}
+        for name in ("auto", "greedy", "dense-first", "left-to-right"):
+            try:
+                candidate = plan(bound, name, max_elements=self.max_elements)
+            except (SpecError, ValueError):
+                continue
+            key = tuple((s.left.indices, s.right.indices, s.impl) for s in candidate.steps)
+            programs.setdefault(key, lower(candidate))
+        first = next(iter(self.parameters()))
+        x = torch.randn(shape, dtype=first.dtype, device=first.device, requires_grad=True)
+        params = {c.name: getattr(self, c.name) for c in self.network.cores}
+        inputs = [x, *params.values()]
+        best: tuple[float, Program] | None = None
+        for program in programs.values():
+            times = []
+            for _ in range(repeats + 1):
+                start = time.perf_counter()
+                y = run(program, x, params, self.sizes, self.bias)
+                torch.autograd.grad(y, inputs, torch.ones_like(y))
+                if x.is_cuda:
+                    torch.cuda.synchronize()
+                times.append(time.perf_counter() - start)
+            seconds = sorted(times[1:])[len(times[1:]) // 2]
+            if best is None or seconds < best[0]:
+                best = (seconds, program)
+        assert best is not None, "the auto planner always gives a candidate"
+        return best[1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         params = {c.name: getattr(self, c.name) for c in self.network.cores}

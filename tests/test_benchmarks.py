@@ -1,0 +1,29 @@
+"""The benchmark's smoke run: it runs, and every tnspec layer equals the library layer of the
+same format when given that layer's cores (TR, TT, Tucker-2, CP vs tednet; CP, Tucker, TT vs
+TensorLy-Torch). Times are printed there, never asserted."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+from .conftest import ROOT
+
+
+def load(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_speed_smoke_runs_and_cross_checks_against_the_libraries(capsys):
+    pytest.importorskip("tltorch", reason="tensorly-torch is in the test extra")
+    pytest.importorskip("tednet", reason="tednet is in the test extra")
+    speed = load("speed")
+    assert speed.main(["--smoke"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("  ok") == 20 and "MISMATCH" not in out
+    for library in ("tltorch factorized", "tltorch reconstructed", "tednet"):
+        assert library in out
