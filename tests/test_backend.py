@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import tnspec
+import tnspec.runtime
 
 from .conftest import EXAMPLES
 from .reference import dense_forward
@@ -86,7 +87,7 @@ def test_gradcheck(text, sizes, shape):
     params = [getattr(module, c.name) for c in module.network.cores]
 
     def f(x, *ps):
-        return tnspec.lower.run(module.program(x.shape), x,
+        return tnspec.runtime.run(module.program(x.shape), x,
                                 dict(zip([c.name for c in module.network.cores], ps)),
                                 module.sizes, module.bias)
     assert torch.autograd.gradcheck(f, (x, *params))

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 import tnspec
-from tnspec.lower import bind_shape, lower, run
+from tnspec.lower import bind_shape, lower
+from tnspec.runtime import run
 from tnspec.plan import plan
 
 from .conftest import EXAMPLES

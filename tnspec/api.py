@@ -15,7 +15,8 @@ from . import init as initializers
 from .check import DEFAULT_MAX_ELEMENTS, check, select_layer
 from .errors import SpecError
 from .ir import DISTRIBUTIONS, INITS, STRIDE_COUNTS, Network
-from .lower import Program, bias_shape, bind_shape, lower, run
+from .lower import Program, bias_shape, bind_shape, lower
+from .runtime import run
 from .parse import parse
 from .plan import Plan, plan
 from .settings import activation_from_python
