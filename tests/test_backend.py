@@ -8,6 +8,7 @@ import torch
 
 import tnspec
 import tnspec.runtime
+from tnspec.api import example_shape
 
 from .conftest import EXAMPLES
 from .reference import dense_forward
@@ -55,15 +56,7 @@ def test_examples_match_dense_reference(path):
     for net in tnspec.compile_all(text):
         torch.manual_seed(0)
         module = tnspec.layer(text, name=net.name, dtype=torch.float64)
-        shape = [2] + [_axis_size(net, a) for a in net.input.axes[1:]]
-        compare(module, torch.randn(*shape))
-
-
-def _axis_size(net, axis):
-    n = 1
-    for i in axis:
-        n *= net.sizes.get(i, 6)
-    return n
+        compare(module, torch.randn(*example_shape(net, {"b": 2}, default=6)))
 
 
 @pytest.mark.parametrize("planner", ["auto", "dp", "greedy", "dense-first", "left-to-right"])

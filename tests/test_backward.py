@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import tnspec
+from tnspec.api import example_shape
 from tnspec.lower import bind_shape, lower
 from tnspec.runtime import run
 from tnspec.plan import plan
@@ -51,15 +52,7 @@ def test_examples_backward(path):
     for net in tnspec.compile_all(text):
         torch.manual_seed(0)
         module = tnspec.layer(text, name=net.name, bias=False)
-        shape = [2] + [_axis(net, a) for a in net.input.axes[1:]]
-        check_against_autograd(module, torch.randn(*shape))
-
-
-def _axis(net, axis):
-    n = 1
-    for i in axis:
-        n *= net.sizes.get(i, 7)
-    return n
+        check_against_autograd(module, torch.randn(*example_shape(net, {"b": 2}, default=7)))
 
 
 def test_subsampling_backward_crops_and_spreads():

@@ -105,6 +105,9 @@ def test_layer_selection():
 def test_reserved_names_cover_every_module_attribute():
     public = {n for n in dir(torch.nn.Module()) if not n.startswith("_")}
     assert public <= RESERVED_NAMES
+    layer = tnspec.layer("x[b, i], W[i, o] -> y[b, o]", i=2, o=2)
+    own = {n for n in dir(layer) if not n.startswith("_")} - {"W"}
+    assert own <= RESERVED_NAMES
 
 
 def test_python_keywords_are_allowed_as_core_names():

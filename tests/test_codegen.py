@@ -16,7 +16,7 @@ from pyflakes.api import check as pyflakes_check
 from pyflakes.reporter import Reporter
 
 import tnspec
-from tnspec.api import generate
+from tnspec.api import example_shape, generate
 from tnspec.cli import main
 
 from .conftest import EXAMPLES
@@ -51,14 +51,8 @@ def assert_same(inline: torch.nn.Module, generated: torch.nn.Module, x: torch.Te
         assert torch.equal(p1.grad, p2.grad), n
 
 
-def example_input(net, batch: int = 2, spatial: int = 9) -> torch.Tensor:
-    shape = [batch]
-    for axis in net.input.axes[1:]:
-        n = 1
-        for i in axis:
-            n *= net.sizes.get(i, spatial)
-        shape.append(n)
-    return torch.randn(*shape)
+def example_input(net) -> torch.Tensor:
+    return torch.randn(*example_shape(net, {"b": 2}, default=9))
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)

@@ -74,9 +74,9 @@ def generate(text: str, *, names: Sequence[str] | None = None,
     return codegen.generate(programs, source)
 
 
-def example_shape(net: Network, given: Mapping[str, int]) -> tuple[int, ...]:
+def example_shape(net: Network, given: Mapping[str, int], default: int = 32) -> tuple[int, ...]:
     """An input shape for planning: static axes from the sizes, the others from ``given``
-    (spatial axes by their output index or their affine text), else 32."""
+    (spatial axes by their output index or their affine text), else ``default``."""
     sizes = net.sizes
     known = set(sizes) | {c.source for c in net.convs} | {c.target for c in net.convs} | \
         set(net.input.indices)
@@ -89,7 +89,7 @@ def example_shape(net: Network, given: Mapping[str, int]) -> tuple[int, ...]:
     for axis in net.input.axes:
         n = 1
         for i in axis:
-            n *= sizes.get(i) or given.get(i) or given.get(by_source.get(i, i)) or 32
+            n *= sizes.get(i) or given.get(i) or given.get(by_source.get(i, i)) or default
         dims.append(n)
     return tuple(dims)
 

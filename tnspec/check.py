@@ -30,7 +30,8 @@ RESERVED_NAMES = frozenset("""
     register_load_state_dict_pre_hook register_module register_parameter
     register_state_dict_post_hook register_state_dict_pre_hook requires_grad_ set_extra_state
     set_submodule share_memory state_dict to to_empty train training type xpu zero_grad
-    bias spec sizes network plan reset_parameters self torch
+    bias spec sizes network plan program planner autotune max_elements reset_parameters self
+    torch
 """.split())
 
 

@@ -57,13 +57,10 @@ def _parser() -> argparse.ArgumentParser:
     comp.add_argument("file", metavar="FILE")
     comp.add_argument("-o", "--output", required=True, metavar="OUT",
                       help="the .py file to write, or - for standard output")
-    comp.add_argument("--layer", action="append", metavar="NAME",
-                      help="compile only this layer (may be repeated)")
-    comp.add_argument("--shape", type=_assignments, default={}, metavar="b=32,h=32,...",
-                      help="input sizes to plan the contraction order for (default 32 each)")
     comp.add_argument("--set", type=_assignments, default={}, metavar="r=8,...",
                       help="override size parameters of the layers that declare them")
-    comp.add_argument("--init", metavar="MODE", help="override every layer's init option")
+    _layer_options(comp, "compile only this layer (may be repeated)", "append",
+                   "override every layer's init option")
     comp.set_defaults(run=_compile)
 
     expl = sub.add_parser("explain", help="explain a layer: roles, backbone graphs, init, plan",
@@ -71,12 +68,19 @@ def _parser() -> argparse.ArgumentParser:
                           "its forward and backward networks, the variance formula with "
                           "numbers, the std of each core, the compression and the plan.")
     expl.add_argument("file", metavar="FILE")
-    expl.add_argument("--layer", metavar="NAME", help="the layer (default: the only one)")
-    expl.add_argument("--init", metavar="MODE", help="explain this init instead of the layer's")
-    expl.add_argument("--shape", type=_assignments, default={}, metavar="b=32,h=32,...",
-                      help="input sizes for the plan (default 32 each)")
+    _layer_options(expl, "the layer (default: the only one)", "store",
+                   "explain this init instead of the layer's")
     expl.set_defaults(run=_explain)
     return parser
+
+
+def _layer_options(parser: argparse.ArgumentParser, layer_help: str, layer_action: str,
+                   init_help: str) -> None:
+    """--layer, --shape and --init, shared by the commands that plan a layer."""
+    parser.add_argument("--layer", action=layer_action, metavar="NAME", help=layer_help)
+    parser.add_argument("--shape", type=_assignments, default={}, metavar="b=32,h=32,...",
+                        help="input sizes to plan the contraction order for (default 32 each)")
+    parser.add_argument("--init", metavar="MODE", help=init_help)
 
 
 def _assignments(text: str) -> dict[str, int]:
