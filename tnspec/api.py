@@ -222,9 +222,16 @@ class Layer(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         params = {c.name: getattr(self, c.name) for c in self.network.cores}
-        return run(self.program(x.shape), x, params, self.sizes, self.bias)
+        return run(_program(self, tuple(x.shape)), x, params, self.sizes, self.bias)
 
     def extra_repr(self) -> str:
         opts = self.network.options
         sizes = ", ".join(f"{k}={v}" for k, v in self.sizes.items())
         return f"{self.spec!r}, {sizes}, init={opts.init!r}, activation={opts.activation!r}"
+
+
+@torch._dynamo.assume_constant_result
+def _program(layer: Layer, shape: tuple[int, ...]) -> Program:
+    """The layer's Program for ``shape``. Planning is plain Python that torch.compile should
+    not trace: under compilation it runs once, at trace time, and its result is a constant."""
+    return layer.program(shape)

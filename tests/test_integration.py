@@ -1,0 +1,77 @@
+"""Layers where users put them: state_dict, copies, dtypes, torch.compile, torch.export,
+TorchScript (generated modules)."""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import pickle
+
+import torch
+
+import tnspec
+from tnspec.api import generate
+
+from .conftest import EXAMPLES
+
+TEXT = (EXAMPLES[0].parent / "htk2.tn").read_text()
+
+
+def make(seed: int = 0) -> tnspec.Layer:
+    torch.manual_seed(seed)
+    return tnspec.layer(TEXT)
+
+
+def generated(tmp_path):
+    path = tmp_path / "htk2_layer.py"
+    path.write_text(generate(TEXT))
+    spec = importlib.util.spec_from_file_location("htk2_layer", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.Htk2()
+
+
+def test_state_dict_round_trip():
+    a, b = make(0), make(1)
+    x = torch.randn(2, 64, 8, 8)
+    assert not torch.equal(a(x), b(x))
+    b.load_state_dict(a.state_dict())
+    assert torch.equal(a(x), b(x))
+    assert set(a.state_dict()) == {"U", "G", "V", "bias"}
+
+
+def test_deepcopy_and_pickle():
+    a = make()
+    x = torch.randn(2, 64, 8, 8)
+    assert torch.equal(copy.deepcopy(a)(x), a(x))
+    assert torch.equal(pickle.loads(pickle.dumps(a))(x), a(x))
+
+
+def test_to_bfloat16_and_float64():
+    a = make()
+    x = torch.randn(2, 64, 8, 8)
+    for dtype in (torch.bfloat16, torch.float64):
+        b = copy.deepcopy(a).to(dtype)
+        y = b(x.to(dtype))
+        assert y.dtype == dtype
+        assert torch.allclose(y.float(), a(x), rtol=0.05, atol=0.05)
+
+
+def test_torch_compile_fullgraph_equals_eager():
+    a = make()
+    x = torch.randn(2, 64, 8, 8)
+    compiled = torch.compile(a, fullgraph=True)
+    assert torch.allclose(compiled(x), a(x), rtol=1e-5, atol=1e-5)
+
+
+def test_torch_export_inline_and_generated(tmp_path):
+    x = torch.randn(2, 64, 8, 8)
+    for module in (make(), generated(tmp_path)):
+        exported = torch.export.export(module, (x,))
+        assert torch.allclose(exported.module()(x), module(x), rtol=1e-5, atol=1e-6)
+
+
+def test_torchscript_of_generated_module(tmp_path):
+    module = generated(tmp_path)
+    x = torch.randn(2, 64, 8, 8)
+    assert torch.allclose(torch.jit.script(module)(x), module(x), rtol=1e-5, atol=1e-6)
