@@ -14,7 +14,7 @@ from .conftest import EXAMPLES
 from .reference import dense_forward
 from .zoo import CASES, spec
 
-torch.set_default_dtype(torch.float64)
+pytestmark = pytest.mark.usefixtures("float64")  # exact comparisons, 1e-10
 
 
 def compare(module: tnspec.Layer, x: torch.Tensor, rtol: float = 1e-10) -> None:

@@ -15,7 +15,7 @@ from .conftest import EXAMPLES
 from .reference import dense_forward
 from .zoo import CASES, spec
 
-torch.set_default_dtype(torch.float64)
+pytestmark = pytest.mark.usefixtures("float64")  # exact comparisons, 1e-10
 
 
 def backward_dx(module: tnspec.Layer, x_shape, dy: torch.Tensor) -> torch.Tensor:
