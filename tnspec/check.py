@@ -225,7 +225,7 @@ class _Checker:
         conv = Conv(source="", target=str(targets[0].name),
                     kernel=str(kernels[0].name) if kernels else None,
                     stride=stride, dilation=dilation, padding=-constant)
-        return Conv(conv.text, conv.target, conv.kernel, stride, dilation, -constant), ix
+        return replace(conv, source=conv.text), ix  # the source is named by its affine text
 
     def unique_relations(self, convs: list[tuple[Conv, IndexNode]], data: OperandNode) -> None:
         plain = {n for ix in data.indices if ix.kind != "affine" for n in ix.names}

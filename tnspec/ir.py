@@ -57,11 +57,6 @@ class Role(str, Enum):
         return self.value
 
 
-#: roles of the indices that the contraction sums over
-SUMMED_ROLES = frozenset({Role.INPUT_MODE, Role.RANK, Role.HYPEREDGE, Role.KERNEL,
-                          Role.SPATIAL_IN})
-
-
 @dataclass(frozen=True)
 class Index:
     name: str
@@ -164,10 +159,6 @@ class Network:
 
     def with_role(self, *roles: Role) -> tuple[str, ...]:
         return tuple(ix.name for ix in self.indices if ix.role in roles)
-
-    @property
-    def tensors(self) -> tuple[Tensor, ...]:
-        return (self.input, *self.cores, self.output)
 
     def conv_of(self, name: str) -> Conv | None:
         """The relation whose source, target or kernel is ``name``."""

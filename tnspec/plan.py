@@ -171,75 +171,48 @@ class Problem:
             self._size[mask] = n
         return self._size[mask]
 
-    def cost(self, a: int, b: int) -> float | None:
-        """Predicted seconds (forward and backward) of merging subsets a and b, or None if
-        the merge is not allowed. Called for every merge the search considers: bitmasks only."""
+    def merge(self, a: int, b: int) -> tuple[float, int, tuple[Conv, ...], str] | None:
+        """Merging subsets a and b: (predicted seconds forward and backward, multiply-adds,
+        the relations it resolves, how lowering runs it: "conv" or "einsum"), or None if the
+        merge is not allowed (it would hand the data side a kernel index without its conv).
+        Called for every merge the search considers, so it works on bitmasks only."""
         if b & 1:
             a, b = b, a
         union = a | b
         la, lb, res = self.mask(a), self.mask(b), self.mask(union)
-        kernel, resolved = 1, 0
+        kernel, factor, resolved = 1, 1, ()
         if a & 1:
-            for (src, ker, _), carriers in zip(self.conv_bits, self.carriers):
+            for conv, (src, ker, out), carriers in zip(self.convs, self.conv_bits,
+                                                       self.carriers):
                 inside = carriers & union
                 if inside and inside != carriers:
                     return None
                 if inside and not carriers & a:
                     kernel *= self.size(ker)
-                    la &= ~src  # priced through the result's positions
+                    factor *= out  # target positions x kernel taps
+                    la &= ~src
                     lb &= ~ker
-                    resolved += 1
-            if resolved > MAX_CONV_DIMS:
+                    resolved += (conv,)
+            if len(resolved) > MAX_CONV_DIMS:
                 return None
         size = self.size
-        shared = la & lb
-        groups, chans = size(shared & res), size(shared & ~res)
-        outs = size(lb & ~la)
+        macs = factor * size(la | lb)
         traffic = size(self.mask(a)) + size(self.mask(b)) + size(res)
-        if a & 1 and res & self.spatial_bits:
-            batch = size(la & ~lb & ~self.spatial_bits)
-            positions = size(res & self.spatial_bits)
-            conv = self.model.conv(batch, groups, chans, outs, positions, kernel, traffic)
-            if resolved:
-                return conv
-            return min(conv, self.model.einsum(size(la | lb), traffic))
-        return self.model.einsum(size(la | lb) * kernel, traffic)
+        einsum = self.model.einsum(macs, traffic)
+        if not (a & 1 and res & self.spatial_bits):
+            return einsum, macs, resolved, "einsum"
+        shared = la & lb
+        conv = self.model.conv(size(la & ~lb & ~self.spatial_bits), size(shared & res),
+                               size(shared & ~res), size(lb & ~la), size(res & self.spatial_bits),
+                               kernel, traffic)
+        if resolved or conv < einsum:
+            return conv, macs, resolved, "conv"
+        return einsum, macs, resolved, "einsum"
 
-    def impl(self, a: int, b: int) -> str:
-        """How lowering runs a data-side merge that resolves no relation: as a 1x1 "conv" or
-        an "einsum", whichever the model prices lower."""
-        if b & 1:
-            a, b = b, a
-        if not (a & 1 and self.mask(a | b) & self.spatial_bits):
-            return "einsum"
-        traffic = sum(self.size(self.mask(s)) for s in (a, b, a | b))
-        einsum = self.model.einsum(self.size(self.mask(a) | self.mask(b)), traffic)
-        return "einsum" if einsum <= (self.cost(a, b) or 0.0) else "conv"
-
-    def step(self, a: int, b: int) -> tuple[str, tuple[Conv, ...], int] | None:
-        """(kind, resolved relations, multiply-adds) of merging subsets a and b; None if the
-        merge is not allowed (it would hand the data side a kernel index without its conv)."""
-        if b & 1:
-            a, b = b, a
-        union = a | b
-        resolved: list[Conv] = []
-        if a & 1:
-            for c, carriers in zip(self.convs, self.carriers):
-                inside = carriers & union
-                if inside and inside != carriers:
-                    return None
-                if inside and not carriers & a:
-                    resolved.append(c)
-        if len(resolved) > MAX_CONV_DIMS:
-            return None
-        la, lb = self.legs(a), self.legs(b)
-        indices = set(la) | set(lb)
-        macs = 1
-        for c in resolved:
-            indices -= {c.source, c.kernel}
-            macs *= self.sizes[c.target] * self.sizes[str(c.kernel)]
-        macs *= math.prod(self.sizes[i] for i in indices)
-        return ("conv" if resolved else "einsum"), tuple(resolved), macs
+    def cost(self, a: int, b: int) -> float | None:
+        """Predicted seconds of merging subsets a and b (None if not allowed)."""
+        merged = self.merge(a, b)
+        return None if merged is None else merged[0]
 
     # opt_einsum's view: data carries virtual kernel legs until its relations are resolved
     def plain_inputs(self) -> list[set[str]]:
@@ -249,9 +222,6 @@ class Problem:
     def plain_output(self) -> set[str]:
         # sources are listed as output so that opt_einsum does not sum them out up front
         return set(self.output) | {c.source for c in self.convs}
-
-    def plain_sizes(self) -> dict[str, int]:
-        return dict(self.sizes)
 
     def plain_legs(self, subset: int) -> set[str]:
         legs = set(self.legs(subset))
@@ -273,16 +243,15 @@ class Problem:
             i, j = sorted(pair)
             (a, left), (b, right) = live[i], live[j]
             del live[j], live[i]
-            info = self.step(a, b)
-            if info is None:
+            merged = self.merge(a, b)
+            if merged is None:
                 return None
-            kind, convs, macs = info
+            seconds, macs, convs, impl = merged
             if b & 1:
                 a, b, left, right = b, a, right, left
             order = self.result_order(left, right, convs, self.legs(a | b), bool(a & 1))
             result = Operand(f"t{len(steps) + 1}", order)
-            seconds = self.cost(a, b) or 0.0
-            impl = "conv" if convs else self.impl(a, b)
+            kind = "conv" if convs else "einsum"
             steps.append(Step(left, right, result, kind, convs, macs, bool(a & 1), impl,
                               seconds))
             live.append((a | b, result))
@@ -348,7 +317,7 @@ def dynamic_programming(problem: Problem) -> Path:
     # no cost cap: its restarts cost more than they prune once the cost is conv-aware
     search = DynamicProgramming(minimize=compare, cost_cap=False)
     try:
-        return search(inputs, output, problem.plain_sizes())
+        return search(inputs, output, problem.sizes)
     except _NoPath:
         return []  # replays as "no path"
 
@@ -360,7 +329,7 @@ class _NoPath(Exception):
 @register("greedy")
 def greedy_plain(problem: Problem) -> Path:
     """opt_einsum's greedy search over the plain view (conv steps priced as im2col)."""
-    return greedy(problem.plain_inputs(), problem.plain_output(), problem.plain_sizes())
+    return greedy(problem.plain_inputs(), problem.plain_output(), problem.sizes)
 
 
 @register("dense-first")
@@ -425,7 +394,5 @@ def plan(net: Network, planner: str = "auto", *, max_elements: int = DEFAULT_MAX
             raise SpecError(f"intermediate {_operand(s.result)} would have {per_sample:,} "
                             f"elements per sample, more than the limit of {max_elements:,}",
                             hint="use smaller inputs or sizes, or raise max_elements")
-    dense_roles = (Role.BATCH, Role.PARALLEL, Role.INPUT_MODE, Role.OUTPUT_MODE, Role.KERNEL,
-                   Role.SPATIAL_OUT)
-    dense = math.prod(net.sizes[i] for i in net.with_role(*dense_roles))
-    return Plan(net, tuple(steps), planner, dense)
+    positions = math.prod(net.sizes[i] for i in net.with_role(Role.BATCH, Role.SPATIAL_OUT))
+    return Plan(net, tuple(steps), planner, net.dense_parameters * positions)
