@@ -12,6 +12,7 @@ interpreter), codegen (Python source), api (entry points) and cli (the ``tnspec`
 
 __version__ = "0.1.0"  # first: codegen stamps it into generated modules
 
+from . import formats
 from .api import Layer, compile, compile_all, layer
 from .errors import SpecError
 from .ir import Conv, Index, Network, Options, Role, Tensor
@@ -19,5 +20,5 @@ from .ir import Conv, Index, Network, Options, Role, Tensor
 
 __all__ = [
     "Conv", "Index", "Layer", "Network", "Options", "Role", "SpecError", "Tensor",
-    "__version__", "compile", "compile_all", "layer",
+    "__version__", "compile", "compile_all", "formats", "layer",
 ]

@@ -1,18 +1,310 @@
-"""Tensor formats as spec text: a random generator (Pan et al. 2022, appendix "Random
-Generator") and named formats.
+"""Tensor formats as spec text: the named formats of the paper's experiments and its random
+generator (Pan et al. 2022, appendix "Random Generator").
 
-Every function returns ``(spec, sizes)``; ``tnspec.layer(spec, **sizes)`` builds the module.
+Every function returns a :class:`Format`, a ``(spec, sizes)`` pair; ``fmt.layer(**options)``
+(or ``tnspec.layer(fmt.spec, **fmt.sizes)``) builds the module::
+
+    >>> fmt = tucker2(64, 64, 3, rank=16, padding=1)
+    >>> fmt.spec
+    'x[b, c, h+kh-1, w+kw-1], U[c, r0], G[r0, r1, kh, kw], V[r1, o] -> y[b, o, h, w]'
+
+Shared arguments: ``in_channels``/``out_channels`` (features for a linear layer);
+``kernel_size`` (an int is a square 2-D kernel, a tuple gives 1-D to 3-D, ``()`` a linear layer);
+``stride``, ``padding`` (an int, a tuple or ``"same"``) and ``dilation`` as in ``nn.Conv2d``;
+``groups`` (a parallel index ``g`` on every core); ``in_modes``/``out_modes`` (the channels as a
+product of modes, or a number of near-equal modes); ``rank`` (an int for every rank edge, a
+tuple with one per edge, or a float in (0, 1]: the largest equal rank whose layer has at most
+that fraction of the dense layer's parameters); ``phi`` (a hyperedge carried by every core).
 """
 
 from __future__ import annotations
 
 import random as _random
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Sequence
+
+from .errors import SpecError
+
+if TYPE_CHECKING:
+    from .api import Layer
+
+IntOrTuple = int | Sequence[int]
+SPATIAL = {1: ("h",), 2: ("h", "w"), 3: ("d", "h", "w")}
+
+
+class Format(NamedTuple):
+    """A tensorial layer as spec text and the sizes of its indices."""
+
+    spec: str
+    sizes: dict[str, int]
+
+    def layer(self, **options: Any) -> "Layer":
+        """``tnspec.layer(spec, **sizes, **options)``: the initialized module."""
+        from .api import layer
+        return layer(self.spec, **{**self.sizes, **options})
+
+
+class _Parts(NamedTuple):
+    """What a format's cores are built from: input/output mode names, kernel names."""
+
+    ins: list[str]
+    outs: list[str]
+    ks: list[str]
+
+
+# --- the formats: each maps (_Parts, rank names) to cores; ranks() says how many ranks ------
+
+def _standard(p: _Parts, r: list[str]) -> list[list[str]]:
+    return [p.outs + p.ins + p.ks]
+
+
+def _low_rank(p: _Parts, r: list[str]) -> list[list[str]]:
+    return [p.ins + p.ks + r, r + p.outs]
+
+
+def _cp(p: _Parts, r: list[str]) -> list[list[str]]:
+    return [p.ins + r] + [[k] + r for k in p.ks] + [r + p.outs]
+
+
+def _tucker(p: _Parts, r: list[str]) -> list[list[str]]:
+    kr = r[2:]
+    return [p.ins + r[:1]] + [[k, q] for k, q in zip(p.ks, kr)] + [r[:2] + kr, r[1:2] + p.outs]
+
+
+def _tucker2(p: _Parts, r: list[str]) -> list[list[str]]:
+    return [p.ins + r[:1], r[:2] + p.ks, r[1:2] + p.outs]
+
+
+def _tt(p: _Parts, r: list[str]) -> list[list[str]]:
+    """Garipov et al.: a kernel core, then one core per (input, output) mode pair."""
+    cores = [p.ks + r[:1]] if p.ks else []
+    rs = ([] if p.ks else [None]) + r + [None]
+    for i, (c, o) in enumerate(zip(p.ins, p.outs)):
+        cores.append([q for q in (rs[i], c, o, rs[i + 1]) if q])
+    return cores
+
+
+def _tr(p: _Parts, r: list[str]) -> list[list[str]]:
+    """Wang et al.: input mode cores, a kernel core, output mode cores, on one ring."""
+    legs = [[m] for m in p.ins] + ([p.ks] if p.ks else []) + [[m] for m in p.outs]
+    return [[r[i], *leg, r[(i + 1) % len(r)]] for i, leg in enumerate(legs)]
+
+
+def _block_term(p: _Parts, r: list[str]) -> list[list[str]]:
+    """A sum over the last rank index n of full Tucker terms (n is a hyperedge)."""
+    n = r[-1:]
+    return [c + n for c in _tucker(p, r[:-1])]
+
+
+def _odd(p: _Parts, r: list[str]) -> list[list[str]]:
+    """The Odd-like stand-in of examples/odd.tn: 9 cores, 14 rank edges."""
+    (i0, i1), (o0, o1) = p.ins, p.outs
+    return [[i0, r[0], r[1], r[13]], [r[0], r[2], r[3]], [i1, r[1], r[4], r[12]],
+            [r[2], r[5], r[6]], [r[3], r[4], r[7], r[8], *p.ks], [r[5], r[9], r[13]],
+            [r[6], r[7], r[10], o0], [r[8], r[11], r[12]], [r[9], r[10], r[11], o1]]
+
+
+def _hypernet(p: _Parts, r: list[str]) -> list[list[str]]:
+    return [p.ins + r] + ([p.ks + r] if p.ks else []) + [r + p.outs]
+
+
+def _separable(p: _Parts, r: list[str]) -> list[list[str]]:
+    return [p.ins + p.ks, p.ins + p.outs]
+
+
+_Builder = Callable[[_Parts, list[str]], list[list[str]]]
+_FORMATS: dict[str, tuple[_Builder, Callable[[_Parts], int], str]] = {
+    "standard": (_standard, lambda p: 0, "W"),
+    "low_rank": (_low_rank, lambda p: 1, "UV"),
+    "cp": (_cp, lambda p: 1, ""),
+    "tucker": (_tucker, lambda p: 2 + len(p.ks), ""),
+    "tucker2": (_tucker2, lambda p: 2, "UGV"),
+    "htk2": (_tucker2, lambda p: 2, "UGV"),  # Hyper Tucker-2 (paper Fig. 5): phi defaults to 4
+    "tt": (_tt, lambda p: len(p.ins) - (0 if p.ks else 1), ""),
+    "tr": (_tr, lambda p: len(p.ins) + len(p.outs) + (1 if p.ks else 0), ""),
+    "block_term": (_block_term, lambda p: 3 + len(p.ks), ""),
+    "odd": (_odd, lambda p: 14, "ABCDEFGHI"),
+    "hypernet": (_hypernet, lambda p: 1, ""),
+    "depthwise_separable": (_separable, lambda p: 0, "DP"),
+}
+NAMES = tuple(_FORMATS)
+
+
+def build(format: str, in_channels: int, out_channels: int, kernel_size: IntOrTuple = (),
+          *, rank: int | float | Sequence[int] = 8, stride: IntOrTuple = 1,
+          padding: IntOrTuple | str = 0, dilation: IntOrTuple = 1, groups: int = 1,
+          in_modes: int | Sequence[int] | None = None,
+          out_modes: int | Sequence[int] | None = None, phi: int | None = None,
+          blocks: int = 2) -> Format:
+    """The named ``format`` (one of :data:`NAMES`) for these shapes; see the module docstring.
+    ``blocks`` is the number of Tucker terms of ``block_term``."""
+    if format not in _FORMATS:
+        raise SpecError(f"unknown format {format!r}", hint=f"choose one of {', '.join(NAMES)}")
+    builder, count, names = _FORMATS[format]
+    phi = 4 if format == "htk2" and phi is None else phi
+    if in_channels % groups or out_channels % groups:
+        raise SpecError(f"groups={groups} does not divide in_channels={in_channels} and "
+                        f"out_channels={out_channels}", hint="as in nn.Conv2d")
+    default_modes = {"tt": 2, "tr": 2, "odd": 2}.get(format, 1)
+    cin = _modes(in_channels // groups, default_modes if in_modes is None else in_modes, "in")
+    cout = _modes(out_channels // groups, default_modes if out_modes is None else out_modes,
+                  "out")
+    if format == "tt" and len(cin) != len(cout):
+        raise SpecError(f"tt pairs input and output modes, got {len(cin)} and {len(cout)}",
+                        hint="give in_modes and out_modes of the same length")
+    if format == "odd" and (len(cin), len(cout)) != (2, 2):
+        raise SpecError("the Odd-like network has 2 input and 2 output modes",
+                        hint="give in_modes and out_modes of length 2")
+    if format == "depthwise_separable" and groups != 1:
+        raise SpecError("depthwise_separable takes no groups", hint="leave groups=1")
+    x_axis, y_axis, spatial, sizes = _geometry(cin, cout, kernel_size, stride, padding,
+                                               dilation, groups)
+    parts = _Parts(list(sizes)[:len(cin)], list(sizes)[len(cin):len(cin) + len(cout)],
+                   [k for k in sizes if k.startswith("k")])
+    if format == "depthwise_separable" and not parts.ks:
+        raise SpecError("depthwise_separable needs a kernel", hint="give kernel_size")
+    ranks = ["r"] if count(parts) == 1 else [f"r{i}" for i in range(count(parts))]
+    if format == "block_term":
+        ranks[-1] = "n"
+
+    def make(rank_sizes: Sequence[int]) -> Format:
+        cores = builder(parts, ranks)
+        head, tail = (["g"] if groups > 1 else []), (["phi"] if phi else [])
+        letters = names or _letters(len(cores))
+        operands = [f"x[{', '.join(['b', x_axis] + spatial)}]"]
+        operands += [f"{letters[i]}[{', '.join(head + core + tail)}]"
+                     for i, core in enumerate(cores)]
+        out = ", ".join(["b", y_axis] + list(SPATIAL.get(len(parts.ks), ())))
+        all_sizes = {**sizes, **dict(zip(ranks, rank_sizes))}
+        if format == "block_term":
+            all_sizes["n"] = blocks
+        if groups > 1:
+            all_sizes["g"] = groups
+        if phi:
+            all_sizes["phi"] = phi
+        return Format(f"{', '.join(operands)} -> y[{out}]", all_sizes)
+
+    free = len(ranks) - (format == "block_term")
+    if isinstance(rank, float):
+        if not 0 < rank <= 1:
+            raise SpecError(f"a fractional rank is a share of the dense parameters, got {rank}",
+                            hint="give a float in (0, 1] or an int")
+        dense = in_channels * out_channels // groups * _prod(sizes[k] for k in parts.ks)
+        return _fit(lambda r: make([r] * free), rank * dense)
+    rank_sizes = [rank] * free if isinstance(rank, int) else list(rank)
+    if len(rank_sizes) != free or any(r < 1 for r in rank_sizes):
+        raise SpecError(f"{format} here has {free} rank edge(s), got rank={rank!r}",
+                        hint=f"give one positive int, or a tuple of {free}")
+    return make(rank_sizes)
+
+
+def _geometry(cin: list[int], cout: list[int], kernel_size: IntOrTuple, stride: IntOrTuple,
+              padding: IntOrTuple | str, dilation: IntOrTuple, groups: int
+              ) -> tuple[str, str, list[str], dict[str, int]]:
+    """Input/output channel axes, input spatial terms, and sizes (modes first, kernels last)."""
+    ins = ["c"] if len(cin) == 1 else [f"c{i}" for i in range(len(cin))]
+    outs = ["o"] if len(cout) == 1 else [f"o{i}" for i in range(len(cout))]
+    sizes = dict(zip(ins, cin)) | dict(zip(outs, cout))
+    g = ["g"] if groups > 1 else []
+    x_axis = ins[0] if len(ins) + len(g) == 1 else f"({' '.join(g + ins)})"
+    y_axis = outs[0] if len(outs) + len(g) == 1 else f"({' '.join(g + outs)})"
+    kernel = (kernel_size,) * 2 if isinstance(kernel_size, int) else tuple(kernel_size)
+    dims = len(kernel)
+    if dims > 3 or any(k < 1 for k in kernel):
+        raise SpecError(f"kernel_size {kernel_size!r} is not 1 to 3 positive sizes",
+                        hint="e.g. 3, (3, 5) or (3,) for a 1-D conv; () for a linear layer")
+    strides, dilations = _per_dim(stride, dims, "stride"), _per_dim(dilation, dims, "dilation")
+    if padding == "same":
+        if any(s != 1 for s in strides) or any(d * (k - 1) % 2 for d, k in zip(dilations, kernel)):
+            raise SpecError("padding='same' needs stride 1 and an odd dilated kernel here",
+                            hint="tnspec pads both sides equally; give the padding as ints")
+        pads = tuple(d * (k - 1) // 2 for d, k in zip(dilations, kernel))
+    elif isinstance(padding, str):
+        raise SpecError(f"unknown padding {padding!r}", hint="give ints or 'same'")
+    else:
+        pads = _per_dim(padding, dims, "padding", minimum=0)
+    spatial = []
+    for t, k, s, d, p in zip(SPATIAL.get(dims, ()), kernel, strides, dilations, pads):
+        term = (f"{s}*{t}" if s != 1 else t) + "+" + (f"{d}*k{t}" if d != 1 else f"k{t}")
+        spatial.append(term + (f"-{p}" if p else ""))
+        sizes[f"k{t}"] = k
+    return x_axis, y_axis, spatial, sizes
+
+
+def _per_dim(value: IntOrTuple, dims: int, what: str, minimum: int = 1) -> tuple[int, ...]:
+    values = (value,) * dims if isinstance(value, int) else tuple(value)
+    if len(values) != dims or any(not isinstance(v, int) or v < minimum for v in values):
+        raise SpecError(f"{what} {value!r} does not fit a {dims}-D kernel",
+                        hint=f"one int >= {minimum} or a tuple of {dims}")
+    return values
+
+
+def _modes(channels: int, modes: int | Sequence[int], side: str) -> list[int]:
+    """``channels`` as a list of mode sizes: given, or split into ``modes`` near-equal ones."""
+    if not isinstance(modes, int):
+        if _prod(modes) != channels:
+            raise SpecError(f"{side}_modes {tuple(modes)} multiply to {_prod(modes)}, not "
+                            f"{channels}", hint="the modes' product is the channels per group")
+        return list(modes)
+    factors, n, f = [], channels, 2
+    while n > 1:  # prime factors, largest first, dealt round-robin to the smallest mode
+        while n % f == 0:
+            factors.append(f)
+            n //= f
+        f += 1
+    split = [1] * modes
+    for f in sorted(factors, reverse=True):
+        split[split.index(min(split))] *= f
+    return sorted(split, reverse=True)
+
+
+def _fit(make: Callable[[int], Format], budget: float) -> Format:
+    """The format with the largest equal rank whose parameter count is within ``budget``."""
+    from .api import compile
+
+    def params(r: int) -> int:
+        fmt = make(r)
+        return compile(fmt.spec, **fmt.sizes).num_parameters
+
+    if params(1) > budget:
+        raise SpecError(f"even rank 1 has {params(1)} parameters, over the budget of "
+                        f"{int(budget)}", hint="give a larger fraction or an int rank")
+    lo, hi = 1, 2
+    while params(hi) <= budget and hi < 1 << 16:
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if params(mid) <= budget else (lo, mid)
+    return make(lo)
+
+
+def _letters(n: int) -> list[str]:
+    return [chr(ord("A") + i) for i in range(n)] if n <= 26 else [f"V{i}" for i in range(n)]
+
+
+def _prod(values: Any) -> int:
+    out = 1
+    for v in values:
+        out *= v
+    return out
+
+
+def _named(fmt: str) -> Callable[..., Format]:
+    def named(in_channels: int, out_channels: int, kernel_size: IntOrTuple = (),
+              **kwargs: Any) -> Format:
+        return build(fmt, in_channels, out_channels, kernel_size, **kwargs)
+    named.__name__ = named.__qualname__ = fmt
+    named.__doc__ = f"The {fmt.replace('_', ' ')} format; arguments as :func:`build`."
+    return named
+
+
+standard, low_rank, cp, tucker, tucker2, htk2 = (_named(f) for f in NAMES[:6])
+tt, tr, block_term, odd, hypernet, depthwise_separable = (_named(f) for f in NAMES[6:])
 
 
 def random(seed: int, *, vertices: tuple[int, int] = (4, 8), modes: tuple[int, int] = (2, 3),
            mode_size: tuple[int, int] = (2, 4), rank_size: tuple[int, int] = (2, 4),
            conv: bool = True, kernel: int = 3, hyperedge: float = 0.5,
-           extra_edges: float = 0.3) -> tuple[str, dict[str, int]]:
+           extra_edges: float = 0.3) -> Format:
     """A random tensorial layer as in the paper's appendix: 4-8 vertices (cores), 2-3 input
     and 2-3 output modes, rank edges joining every vertex to the network (a random spanning
     tree, plus each other pair with probability ``extra_edges``), the kernel on one random
@@ -47,4 +339,4 @@ def random(seed: int, *, vertices: tuple[int, int] = (4, 8), modes: tuple[int, i
     spatial_out = ", h, w" if conv else ""
     operands = [f"x[b, {data}{spatial_in}]"]
     operands += [f"V{v}[{', '.join(core)}]" for v, core in enumerate(cores)]
-    return f"{', '.join(operands)} -> y[b, {result}{spatial_out}]", sizes
+    return Format(f"{', '.join(operands)} -> y[b, {result}{spatial_out}]", sizes)

@@ -1,0 +1,126 @@
+"""The format library: every named format in every geometry computes what the dense reference
+computes, the standard format is exactly torch's conv, and bad arguments are refused clearly."""
+
+from __future__ import annotations
+
+import doctest
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import tnspec
+from tnspec import formats
+
+from .reference import dense_forward
+
+pytestmark = pytest.mark.usefixtures("float64")
+
+GEOMETRIES = {  # kernel_size, keyword arguments, input spatial shape
+    "linear": ((), {}, ()),
+    "1d": ((3,), {"padding": "same"}, (9,)),
+    "2d-strided": ((3, 2), {"stride": (2, 1), "padding": (1, 0)}, (9, 8)),
+    "2d-dilated": (3, {"dilation": 2, "padding": "same", "groups": 2}, (9, 9)),
+    "3d": ((3, 3, 3), {"stride": 2}, (7, 7, 7)),
+}
+FORMATS = formats.NAMES
+
+
+@pytest.mark.parametrize("geometry", GEOMETRIES)
+@pytest.mark.parametrize("name", FORMATS)
+def test_every_format_matches_the_dense_reference(name, geometry):
+    kernel, kwargs, spatial = GEOMETRIES[geometry]
+    if name == "depthwise_separable" and (not kernel or "groups" in kwargs):
+        pytest.skip("depthwise_separable needs a kernel and takes no groups")
+    fmt = getattr(formats, name)(12, 8, kernel, rank=2, **kwargs)
+    torch.manual_seed(0)
+    module = fmt.layer(dtype=torch.float64, bias=False)
+    x = torch.randn(2, 12, *spatial)
+    cores = {c.name: getattr(module, c.name) for c in module.network.cores}
+    y = module(x)
+    ref = dense_forward(module.network, x, cores)
+    assert y.shape == ref.shape
+    assert torch.allclose(y, ref, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("kernel, kwargs", [
+    ((3, 5), {"stride": (2, 1), "padding": (1, 2), "dilation": (1, 2)}),
+    (3, {"padding": "same", "groups": 4}),
+    ((4,), {"stride": 3, "padding": 2}),
+    ((3, 2, 3), {"padding": 1, "dilation": (2, 1, 1)}),
+])
+def test_the_standard_format_is_torchs_convolution(kernel, kwargs):
+    fmt = formats.standard(8, 12, kernel, **kwargs)
+    module = fmt.layer(dtype=torch.float64)
+    with torch.no_grad():
+        module.bias.normal_()
+    dims = 2 if isinstance(kernel, int) else len(kernel)
+    x = torch.randn(2, 8, *(10,) * dims)
+    weight = module.W.reshape(12, 8 // kwargs.get("groups", 1), *module.W.shape[-dims:])
+    conv = (F.conv1d, F.conv2d, F.conv3d)[dims - 1]
+    want = conv(x, weight, module.bias.reshape(-1), **kwargs)
+    assert torch.allclose(module(x), want, rtol=1e-10, atol=1e-12)
+
+
+def test_htk2_is_the_examples_network():
+    fmt = formats.htk2(64, 64, 3, rank=10, phi=4, padding=1)
+    example = tnspec.compile(open("examples/htk2.tn").read())
+    net = tnspec.compile(fmt.spec, **fmt.sizes)
+    assert [c.indices for c in net.cores] == [c.indices for c in example.cores]
+    assert net.sizes == example.sizes
+
+
+def test_modes_split_near_equally_and_as_given():
+    sizes = formats.tt(64, 36, 3, rank=4).sizes
+    assert (sizes["c0"], sizes["c1"], sizes["o0"], sizes["o1"]) == (8, 8, 6, 6)
+    sizes = formats.tr(96, 96, 3, in_modes=(6, 4, 4), out_modes=3, rank=5).sizes
+    assert [sizes[k] for k in ("c0", "c1", "c2")] == [6, 4, 4]
+    assert sorted(sizes[k] for k in ("o0", "o1", "o2")) == [4, 4, 6]
+
+
+def test_a_fractional_rank_fits_the_parameter_budget():
+    fmt = formats.tucker2(64, 64, 3, rank=0.25)
+    params = tnspec.compile(fmt.spec, **fmt.sizes).num_parameters
+    assert params <= 0.25 * 64 * 64 * 9
+    bigger = formats.tucker2(64, 64, 3, rank=fmt.sizes["r0"] + 1)
+    assert tnspec.compile(bigger.spec, **bigger.sizes).num_parameters > 0.25 * 64 * 64 * 9
+
+
+def test_rank_tuples_name_each_edge():
+    fmt = formats.tucker2(16, 16, 3, rank=(3, 5))
+    assert (fmt.sizes["r0"], fmt.sizes["r1"]) == (3, 5)
+    assert "r" in formats.cp(16, 16, 3, rank=4).sizes
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: formats.build("ttt", 4, 4), "(?s)unknown format 'ttt'.*choose one of.*htk2"),
+    (lambda: formats.tucker2(4, 4, 3, rank=(1, 2, 3)), "(?s)has 2 rank edge.*rank=\\(1, 2, 3\\)"),
+    (lambda: formats.tt(12, 8, 3, in_modes=(3, 3)), "multiply to 9, not 12"),
+    (lambda: formats.tt(12, 8, 3, in_modes=(3, 4), out_modes=(8,)), "pairs input and output"),
+    (lambda: formats.cp(4, 4, 3, stride=2, padding="same"), "padding='same' needs stride 1"),
+    (lambda: formats.cp(4, 4, 4, padding="same"), "odd dilated kernel"),
+    (lambda: formats.cp(4, 4, 3, padding="valid"), "unknown padding 'valid'"),
+    (lambda: formats.cp(4, 4, (3, 3), stride=(1, 2, 3)), "stride \\(1, 2, 3\\) does not fit"),
+    (lambda: formats.cp(6, 4, 3, groups=4), "groups=4 does not divide"),
+    (lambda: formats.cp(4, 4, (1, 1, 1, 1)), "is not 1 to 3 positive sizes"),
+    (lambda: formats.odd(16, 16, 3, in_modes=(2, 2, 4)), "2 input and 2 output modes"),
+    (lambda: formats.tr(64, 64, 3, rank=0.0001), "even rank 1 has"),
+    (lambda: formats.cp(64, 64, 3, rank=1.5), "share of the dense parameters"),
+])
+def test_bad_arguments_are_refused_clearly(call, match):
+    with pytest.raises(tnspec.SpecError, match=match):
+        call()
+
+
+def test_random_formats_are_reproducible_and_valid():
+    assert formats.random(3) == formats.random(3)
+    for seed in range(30):
+        fmt = formats.random(seed)
+        net = tnspec.compile(fmt.spec, **fmt.sizes)
+        assert 4 <= len(net.cores) <= 8
+        assert len(net.input.axes[1]) in (2, 3) and len(net.output.axes[1]) in (2, 3)
+
+
+def test_docstring_examples_run():
+    result = doctest.testmod(formats)
+    assert result.attempted > 0 and result.failed == 0
