@@ -304,21 +304,25 @@ tt, tr, block_term, odd, hypernet, depthwise_separable = (_named(f) for f in NAM
 def random(seed: int, *, vertices: tuple[int, int] = (4, 8), modes: tuple[int, int] = (2, 3),
            mode_size: tuple[int, int] = (2, 4), rank_size: tuple[int, int] = (2, 4),
            conv: bool = True, kernel: int = 3, hyperedge: float = 0.5,
-           extra_edges: float = 0.3) -> Format:
+           extra_edges: float = 0.3, in_modes: Sequence[int] | None = None,
+           out_modes: Sequence[int] | None = None) -> Format:
     """A random tensorial layer as in the paper's appendix: 4-8 vertices (cores), 2-3 input
     and 2-3 output modes, rank edges joining every vertex to the network (a random spanning
     tree, plus each other pair with probability ``extra_edges``), the kernel on one random
     vertex when ``conv``, and with probability ``hyperedge`` an index phi on every vertex.
-    Sizes are drawn from the given ranges."""
+    Sizes are drawn from the given ranges; ``in_modes``/``out_modes`` fix the mode sizes
+    instead (to chain layers)."""
     rng = _random.Random(seed)
     n = rng.randint(*vertices)
     cores: list[list[str]] = [[] for _ in range(n)]
     sizes: dict[str, int] = {}
-    ins = [f"i{k}" for k in range(rng.randint(*modes))]
-    outs = [f"o{k}" for k in range(rng.randint(*modes))]
+    ins = [f"i{k}" for k in range(len(in_modes) if in_modes else rng.randint(*modes))]
+    outs = [f"o{k}" for k in range(len(out_modes) if out_modes else rng.randint(*modes))]
     for name in ins + outs:
         cores[rng.randrange(n)].append(name)
         sizes[name] = rng.randint(*mode_size)
+    sizes.update(zip(ins, in_modes or ()))
+    sizes.update(zip(outs, out_modes or ()))
     edges = [(rng.randrange(v), v) for v in range(1, n)]  # a random spanning tree
     edges += [(a, b) for a in range(n) for b in range(a + 1, n)
               if (a, b) not in edges and rng.random() < extra_edges]
@@ -333,8 +337,8 @@ def random(seed: int, *, vertices: tuple[int, int] = (4, 8), modes: tuple[int, i
         for core in cores:
             core.append("phi")
         sizes["phi"] = rng.randint(2, 4)
-    data = "(" + " ".join(ins) + ")"
-    result = "(" + " ".join(outs) + ")"
+    data = ins[0] if len(ins) == 1 else "(" + " ".join(ins) + ")"
+    result = outs[0] if len(outs) == 1 else "(" + " ".join(outs) + ")"
     spatial_in = f", h+kh-{kernel // 2}, w+kw-{kernel // 2}" if conv else ""
     spatial_out = ", h, w" if conv else ""
     operands = [f"x[b, {data}{spatial_in}]"]
