@@ -16,9 +16,11 @@ from . import formats
 from .api import Layer, compile, compile_all, layer
 from .errors import SpecError
 from .ir import Conv, Index, Network, Options, Role, Tensor
+from .convert import tensorize
 
 
 __all__ = [
     "Conv", "Index", "Layer", "Network", "Options", "Role", "SpecError", "Tensor",
     "__version__", "compile", "compile_all", "formats", "layer",
+    "tensorize",
 ]

@@ -184,6 +184,8 @@ def build(format: str, in_channels: int, out_channels: int, kernel_size: IntOrTu
         return Format(f"{', '.join(operands)} -> y[{out}]", all_sizes)
 
     free = len(ranks) - (format == "block_term")
+    if isinstance(rank, float) and free == 0:
+        return make([])  # nothing to fit: the format has no rank edge
     if isinstance(rank, float):
         if not 0 < rank <= 1:
             raise SpecError(f"a fractional rank is a share of the dense parameters, got {rank}",
@@ -191,10 +193,10 @@ def build(format: str, in_channels: int, out_channels: int, kernel_size: IntOrTu
         dense = in_channels * out_channels // groups * _prod(sizes[k] for k in parts.ks)
         return _fit(lambda r: make([r] * free), rank * dense)
     rank_sizes = [rank] * free if isinstance(rank, int) else list(rank)
-    if len(rank_sizes) != free or any(r < 1 for r in rank_sizes):
+    if free and (len(rank_sizes) != free or any(r < 1 for r in rank_sizes)):
         raise SpecError(f"{format} here has {free} rank edge(s), got rank={rank!r}",
                         hint=f"give one positive int, or a tuple of {free}")
-    return make(rank_sizes)
+    return make(rank_sizes[:free])
 
 
 def _geometry(cin: list[int], cout: list[int], kernel_size: IntOrTuple, stride: IntOrTuple,

@@ -1,0 +1,238 @@
+"""``tnspec.tensorize``: replace the ``nn.Conv1d/2d/3d`` and ``nn.Linear`` layers of an existing
+model by tensorial layers of a named format, initialized for the activation that follows them.
+
+The new layers are freshly initialized (Graph-in by default). Copying a trained dense weight
+into the format by decomposition is out of scope: tensorize a model before training it.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+
+from . import formats
+from .api import Layer, _with_options, compile
+from .errors import SpecError
+
+Selector = str | Sequence[str] | Callable[[str, nn.Module], bool] | None
+_CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+_PASS_THROUGH = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.Identity,
+                 nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+_MODULE_ACTIVATIONS = {nn.ReLU: "relu", nn.ReLU6: "relu", nn.Tanh: "tanh", nn.GELU: "gelu",
+                       nn.SiLU: "silu", nn.Sigmoid: "sigmoid"}
+_FUNCTION_ACTIVATIONS = {torch.relu: "relu", torch.nn.functional.relu: "relu",
+                         torch.tanh: "tanh", torch.nn.functional.tanh: "tanh",
+                         torch.nn.functional.gelu: "gelu", torch.nn.functional.silu: "silu",
+                         torch.sigmoid: "sigmoid", torch.nn.functional.sigmoid: "sigmoid",
+                         "relu": "relu", "relu_": "relu", "tanh": "tanh", "sigmoid": "sigmoid"}
+
+
+class TensorizedLinear(Layer):
+    """A tnspec layer standing in for ``nn.Linear``: any number of leading dimensions."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = super().forward(x.reshape(-1, x.shape[-1]))
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+class TensorizedConv(Layer):
+    """A tnspec layer standing in for ``nn.ConvNd``: batched or unbatched input."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == len(self.network.input.axes) - 1:
+            return super().forward(x.unsqueeze(0)).squeeze(0)
+        return super().forward(x)
+
+
+@dataclass(frozen=True)
+class Replacement:
+    """One replaced layer: its name, what it was, its format, and the parameter counts."""
+
+    name: str
+    before: str
+    spec: str
+    params_before: int
+    params_after: int
+    activation: str
+    activation_from: str
+
+
+@dataclass(frozen=True)
+class Report:
+    """What ``tensorize`` did: the layers replaced, those skipped (with why), the totals."""
+
+    format: str
+    replaced: tuple[Replacement, ...]
+    skipped: tuple[tuple[str, str], ...]
+    params_before: int
+    params_after: int
+
+    def __str__(self) -> str:
+        lines = [f"tensorize: {len(self.replaced)} layer(s) to {self.format}, "
+                 f"{len(self.skipped)} skipped; model parameters {self.params_before:,} -> "
+                 f"{self.params_after:,} ({self.params_before / max(self.params_after, 1):.1f}x "
+                 "fewer)"]
+        for r in self.replaced:
+            lines.append(f"  {r.name}: {r.before}")
+            lines.append(f"      {r.params_before:,} -> {r.params_after:,} params, init for "
+                         f"{r.activation} ({r.activation_from})")
+        for name, why in self.skipped:
+            lines.append(f"  {name}: skipped: {why}")
+        return "\n".join(lines)
+
+
+def tensorize(model: nn.Module, format: str = "tucker2", *, rank: int | float = 0.5,
+              include: Selector = None, exclude: Selector = None, init: str = "graph-in",
+              activation: str | float | None = None, **options: Any) -> tuple[nn.Module, Report]:
+    """Replace, in place, every ``nn.Conv1d/2d/3d`` and ``nn.Linear`` of ``model`` selected by
+    ``include``/``exclude`` (glob patterns on qualified names such as ``"features.*"``, or a
+    function of ``(name, module)``) by a tnspec layer of ``format`` (a name of
+    :data:`tnspec.formats.NAMES`) with the same stride, padding, dilation, groups and bias.
+    ``rank`` is an int or a share of each dense layer's parameters; ``options`` go to
+    :func:`tnspec.formats.build` (``phi``, ``in_modes``, ...). Each layer is initialized with
+    ``init`` for the activation that follows it in the model (read from ``torch.fx`` or the
+    order of an ``nn.Sequential``) unless ``activation`` is given. Layers that cannot be
+    expressed (reflect padding, asymmetric 'same' padding, a rank too small) are skipped and
+    listed in the report. Returns ``(model, report)``.
+
+    >>> net = nn.Sequential(nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.Flatten(),
+    ...                     nn.Linear(32 * 8 * 8, 10))
+    >>> net, report = tensorize(net, "cp", rank=8, include="0")
+    >>> print(report)
+    tensorize: 1 layer(s) to cp, 0 skipped; model parameters 25,130 -> 20,954 (1.2x fewer)
+      0: Conv2d(16, 32, kernel_size=(3, 3), stride=(1, 1), padding=(1, 1))
+          4,640 -> 464 params, init for relu (read from the model)
+    """
+    if format not in formats.NAMES:
+        raise SpecError(f"unknown format {format!r}",
+                        hint=f"choose one of {', '.join(formats.NAMES)}")
+    before = sum(p.numel() for p in model.parameters())
+    following = _following_activations(model)
+    replaced, skipped = [], []
+    for name, module in list(model.named_modules()):
+        if not isinstance(module, (nn.Linear, *_CONVS)) or isinstance(module, Layer) \
+                or not _selected(name, module, include, exclude):
+            continue
+        act, source = (activation, "given") if activation is not None else \
+            following.get(name, ("linear", "no activation found after it"))
+        try:
+            new = _replacement(module, format, rank, init, act, options)
+        except SpecError as exc:
+            skipped.append((name, exc.message))
+            continue
+        _set_submodule(model, name, new)
+        replaced.append(Replacement(name, repr(module), new.spec,
+                                    sum(p.numel() for p in module.parameters()),
+                                    sum(p.numel() for p in new.parameters()), str(act), source))
+    after = sum(p.numel() for p in model.parameters())
+    return model, Report(format, tuple(replaced), tuple(skipped), before, after)
+
+
+def _replacement(module: nn.Module, format: str, rank: int | float, init: str,
+                 activation: str | float, options: dict[str, Any]) -> Layer:
+    """The tnspec layer for one dense layer; SpecError says why it cannot be."""
+    weight = module.weight
+    if isinstance(module, nn.Linear):
+        fmt = formats.build(format, module.in_features, module.out_features, (), rank=rank,
+                            **options)
+        cls: type[Layer] = TensorizedLinear
+    else:
+        if module.padding_mode != "zeros":
+            raise SpecError(f"padding_mode={module.padding_mode!r}: tnspec pads with zeros")
+        padding = module.padding
+        if padding == "valid":
+            padding = 0
+        elif padding == "same":
+            total = [d * (k - 1) for d, k in zip(module.dilation, module.kernel_size)]
+            if any(t % 2 for t in total):
+                raise SpecError("padding='same' with an even dilated kernel pads one side "
+                                "more; tnspec pads both sides equally")
+            padding = tuple(t // 2 for t in total)
+        if module.groups == module.in_channels > 1 and format != "standard":
+            raise SpecError("a depthwise conv (groups = in_channels) has nothing to factorize")
+        fmt = formats.build(format, module.in_channels, module.out_channels,
+                            tuple(module.kernel_size), rank=rank, stride=tuple(module.stride),
+                            padding=padding, dilation=tuple(module.dilation),
+                            groups=module.groups, **options)
+        cls = TensorizedConv
+    net = _with_options(compile(fmt.spec, **fmt.sizes), init=init, activation=activation,
+                        bias=module.bias is not None)
+    return cls(net, dtype=weight.dtype, device=weight.device)
+
+
+def _selected(name: str, module: nn.Module, include: Selector, exclude: Selector) -> bool:
+    def matches(selector: Selector) -> bool:
+        if callable(selector):
+            return bool(selector(name, module))
+        patterns = [selector] if isinstance(selector, str) else list(selector or ())
+        return any(fnmatch.fnmatchcase(name, p) for p in patterns)
+    return (include is None or matches(include)) and not (exclude is not None and
+                                                          matches(exclude))
+
+
+def _set_submodule(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, child, new)
+
+
+def _following_activations(model: nn.Module) -> dict[str, tuple[str, str]]:
+    """``{layer name: (activation, how it was found)}`` for the layers followed by one."""
+    found: dict[str, tuple[str, str]] = {}
+    for seq_name, seq in model.named_modules():  # nn.Sequential order first...
+        if isinstance(seq, nn.Sequential):
+            children = list(seq.named_children())
+            for i, (child, module) in enumerate(children):
+                nxt = [m for _, m in children[i + 1:]]
+                while nxt and isinstance(nxt[0], _PASS_THROUGH):
+                    nxt.pop(0)
+                act = _module_activation(nxt[0]) if nxt else None
+                if act:
+                    found[f"{seq_name}.{child}" if seq_name else child] = \
+                        (act, "read from the model")
+    try:  # ...then what forward() does, where torch.fx can trace it
+        graph = torch.fx.symbolic_trace(model).graph
+    except Exception:  # noqa: BLE001 - untraceable models keep the Sequential reading
+        return found
+    modules = dict(model.named_modules())
+    for node in graph.nodes:
+        if node.op != "call_module" or not isinstance(modules.get(node.target),
+                                                      (nn.Linear, *_CONVS)):
+            continue
+        user = node
+        for _ in range(4):
+            if len(user.users) != 1:
+                break
+            user = next(iter(user.users))
+            act = _node_activation(user, modules)
+            if act:
+                found[node.target] = (act, "read from the model")
+                break
+            if not (user.op == "call_module" and isinstance(modules.get(user.target),
+                                                            _PASS_THROUGH)):
+                break
+    return found
+
+
+def _module_activation(module: nn.Module) -> str | None:
+    if isinstance(module, nn.LeakyReLU):
+        return f"leaky_relu({module.negative_slope})"
+    return next((a for t, a in _MODULE_ACTIVATIONS.items() if isinstance(module, t)), None)
+
+
+def _node_activation(node: torch.fx.Node, modules: dict[str, nn.Module]) -> str | None:
+    if node.op == "call_module":
+        return _module_activation(modules[node.target])
+    if node.op in ("call_function", "call_method"):
+        if node.target is torch.nn.functional.leaky_relu:
+            slope = node.kwargs.get("negative_slope", node.args[1] if len(node.args) > 1
+                                    else 0.01)
+            return f"leaky_relu({slope})" if isinstance(slope, (int, float)) else None
+        try:
+            return _FUNCTION_ACTIVATIONS.get(node.target)
+        except TypeError:  # an unhashable target
+            return None
+    return None
