@@ -1,18 +1,22 @@
 """Layers where users put them: state_dict, copies, dtypes, torch.compile, torch.export,
-TorchScript (generated modules)."""
+TorchScript and ONNX (generated modules), DistributedDataParallel across two processes."""
 
 from __future__ import annotations
 
 import copy
 import importlib.util
 import pickle
+import subprocess
+import sys
 
+import pytest
 import torch
+import torch.distributed as dist
 
 import tnspec
 from tnspec.api import generate
 
-from .conftest import EXAMPLES
+from .conftest import EXAMPLES, ROOT
 
 TEXT = (EXAMPLES[0].parent / "htk2.tn").read_text()
 
@@ -75,3 +79,32 @@ def test_torchscript_of_generated_module(tmp_path):
     module = generated(tmp_path)
     x = torch.randn(2, 64, 8, 8)
     assert torch.allclose(torch.jit.script(module)(x), module(x), rtol=1e-5, atol=1e-6)
+
+
+def test_onnx_export_of_generated_module_runs_in_onnxruntime(tmp_path):
+    pytest.importorskip("onnx", reason="the onnx package is in the test extra")
+    pytest.importorskip("onnxscript", reason="torch.onnx.export needs onnxscript")
+    ort = pytest.importorskip("onnxruntime", reason="onnxruntime runs the exported graph")
+    module = generated(tmp_path).eval()
+    x = torch.randn(2, 64, 8, 8)
+    path = tmp_path / "htk2.onnx"
+    torch.onnx.export(module, (x,), str(path), input_names=["x"], output_names=["y"])
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    (y,) = session.run(None, {"x": x.numpy()})
+    assert torch.allclose(torch.from_numpy(y), module(x), rtol=1e-4, atol=1e-5)
+
+
+def test_distributed_data_parallel_keeps_ranks_identical(tmp_path):
+    """Two processes (gloo) each take one step on their own batch; run in a fresh interpreter
+    so that nothing this test process has loaded (compilers, exporters) is inherited."""
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("this torch build has no gloo backend")
+    out = str(tmp_path / "params")
+    subprocess.run([sys.executable, "-m", "tests.ddp_worker", out], check=True,
+                   timeout=240, cwd=ROOT)
+    a, b = (torch.load(f"{out}.{r}") for r in range(2))
+    before = torch.load(f"{out}.init")
+    assert a.keys() == b.keys() == before.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+    assert any(not torch.equal(a[k], v) for k, v in before.items())
