@@ -59,11 +59,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--epochs", type=int, default=60)
-    parser.add_argument("--smoke", action="store_true", help="init statistics of 5 rounds")
+    parser.add_argument("--smoke", action="store_true", help="init statistics of 3 rounds")
     args = parser.parse_args(argv)
     started = time.time()
     data = digits(images=True)
-    rounds = 5 if args.smoke else args.rounds
+    rounds = 3 if args.smoke else args.rounds
     stds = {init: [init_std(r, init, data[2]) for r in range(rounds)] for init in INITS}
     acc: dict[str, list[float]] = {init: [] for init in INITS}
     curves: dict[str, list[list[float]]] = {init: [] for init in INITS}

@@ -305,13 +305,14 @@ tt, tr, block_term, odd, hypernet, depthwise_separable = (_named(f) for f in NAM
 
 def random(seed: int, *, vertices: tuple[int, int] = (4, 8), modes: tuple[int, int] = (2, 3),
            mode_size: tuple[int, int] = (2, 4), rank_size: tuple[int, int] = (2, 4),
-           conv: bool = True, kernel: int = 3, hyperedge: float = 0.5,
+           conv: bool = True, kernel: int = 3, stride: int = 1, hyperedge: float = 0.5,
            extra_edges: float = 0.3, in_modes: Sequence[int] | None = None,
            out_modes: Sequence[int] | None = None) -> Format:
     """A random tensorial layer as in the paper's appendix: 4-8 vertices (cores), 2-3 input
     and 2-3 output modes, rank edges joining every vertex to the network (a random spanning
     tree, plus each other pair with probability ``extra_edges``), the kernel on one random
-    vertex when ``conv``, and with probability ``hyperedge`` an index phi on every vertex.
+    vertex when ``conv`` (odd ``kernel``, 'same' padding, ``stride``), and with probability
+    ``hyperedge`` an index phi on every vertex.
     Sizes are drawn from the given ranges; ``in_modes``/``out_modes`` fix the mode sizes
     instead (to chain layers)."""
     rng = _random.Random(seed)
@@ -341,7 +342,8 @@ def random(seed: int, *, vertices: tuple[int, int] = (4, 8), modes: tuple[int, i
         sizes["phi"] = rng.randint(2, 4)
     data = ins[0] if len(ins) == 1 else "(" + " ".join(ins) + ")"
     result = outs[0] if len(outs) == 1 else "(" + " ".join(outs) + ")"
-    spatial_in = f", h+kh-{kernel // 2}, w+kw-{kernel // 2}" if conv else ""
+    s, p = (f"{stride}*" if stride > 1 else ""), (f"-{kernel // 2}" if kernel > 1 else "")
+    spatial_in = f", {s}h+kh{p}, {s}w+kw{p}" if conv else ""
     spatial_out = ", h, w" if conv else ""
     operands = [f"x[b, {data}{spatial_in}]"]
     operands += [f"V{v}[{', '.join(core)}]" for v, core in enumerate(cores)]

@@ -1,0 +1,118 @@
+"""Tensorial All-Conv without batch norm (paper Table 1 / Table 8 style), on the digits.
+
+Nine convolutions, ReLU after the first eight, no normalization, a global average pool:
+3x3 1->C, 3x3 C->C, 3x3 stride 2, 3x3, 3x3, 3x3 stride 2, 3x3, 1x1, 1x1 C->10, with C = 24
+channels as (4 x 3 x 2) modes for TT/TR and (6 x 4) for Odd; every layer, the first included,
+is tensorized (input modes of size 1 where there is one channel). Formats: low-rank, CP,
+Tucker-2, HTK2 (phi = 4), TT, TR, the Odd-like network (phi = 4, rank 3), three random formats;
+ranks 6. Each is initialized with per-core Kaiming-in/-out (torch's fan rule on every core)
+and Graph-in/-out; a dense All-Conv with torch's Kaiming is the reference. SGD, lr 5e-3,
+momentum 0.9, weight decay 5e-4, batch 128. The paper: CIFAR-10, 96 channels, 270 epochs;
+here the 8 x 8 digits, 24 channels, 40 epochs.
+
+    python -m experiments.allconv          # 11 nets x 4 inits (minutes)
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from torch import nn
+
+from tnspec import formats
+
+from .common import digits, markdown_table, progress, save, train
+
+C = 24
+LAYERS = ((3, 1), (3, 1), (3, 2), (3, 1), (3, 1), (3, 2), (3, 1), (1, 1), (1, 1))  # kernel, stride
+FORMATS = ("dense", "low_rank", "cp", "tucker2", "htk2", "tt", "tr", "odd",
+           "random-1", "random-2", "random-3")
+INITS = ("kaiming-in", "kaiming-out", "graph-in", "graph-out")
+MODES = {"tt": 3, "tr": 3, "odd": 2}
+
+
+def layer(fmt: str, i: int, init: str) -> nn.Module:
+    """Layer ``i`` of the net in format ``fmt``."""
+    (k, s), cin, cout = LAYERS[i], 1 if i == 0 else C, 10 if i == len(LAYERS) - 1 else C
+    act = "linear" if i == len(LAYERS) - 1 else "relu"
+    pad = k // 2
+    if fmt == "dense":
+        conv = nn.Conv2d(cin, cout, k, stride=s, padding=pad)
+        nn.init.kaiming_normal_(conv.weight, nonlinearity="relu" if act == "relu" else "linear")
+        nn.init.zeros_(conv.bias)
+        return conv
+    if fmt.startswith("random"):
+        modes = lambda n: (1,) if n == 1 else (2, 5) if n == 10 else (4, 6)  # noqa: E731
+        spec = formats.random(100 * int(fmt[-1]) + i, kernel=k, stride=s, in_modes=modes(cin),
+                              out_modes=modes(cout))
+    else:
+        n = MODES.get(fmt, 1)
+        spec = formats.build(fmt, cin, cout, k, rank=3 if fmt == "odd" else 6, stride=s,
+                             padding=pad, in_modes=n, out_modes=n,
+                             phi=4 if fmt in ("htk2", "odd") else None)
+    return spec.layer(init=init, activation=act)
+
+
+class AllConv(nn.Sequential):
+    def __init__(self, fmt: str, init: str) -> None:
+        mods: list[nn.Module] = []
+        for i in range(len(LAYERS)):
+            mods += [layer(fmt, i, init)] + ([nn.ReLU()] if i < len(LAYERS) - 1 else [])
+        super().__init__(*mods)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.features(x).mean((2, 3))
+
+    def features(self, x: torch.Tensor) -> torch.Tensor:
+        """The last convolution's output, before the pool."""
+        return super().forward(x)
+
+
+def init_scale(fmt: str, init: str, x: torch.Tensor, seed: int = 0) -> float:
+    """RMS of the last convolution's output over RMS of the input, at init."""
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        y = AllConv(fmt, init).features(x)
+    return (y.pow(2).mean() / x.pow(2).mean()).sqrt().item()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--epochs", type=int, default=40)
+    parser.add_argument("--smoke", action="store_true", help="init scales of TR and Odd")
+    args = parser.parse_args(argv)
+    started = time.time()
+    data = digits(images=True)
+    fmts = ("tr", "odd") if args.smoke else FORMATS
+    rows = []
+    for fmt in progress(fmts, "formats"):
+        inits = ("kaiming-in",) if fmt == "dense" else INITS
+        scales = {i: init_scale(fmt, i, data[2]) for i in inits}
+        accs = {}
+        for init in inits if not args.smoke else ():
+            torch.manual_seed(0)
+            hist = train(AllConv(fmt, init), data, lambda p: torch.optim.SGD(
+                p, lr=5e-3, momentum=0.9, weight_decay=5e-4), epochs=args.epochs, batch=128,
+                seed=0)
+            accs[init] = hist.final_acc
+        params = sum(p.numel() for p in AllConv(fmt, inits[0]).parameters())
+        rows.append([fmt, f"{params:,}"] + [
+            f"{accs[i]:.3f}" if i in accs else ("-" if i not in scales else "")
+            for i in INITS] + [f"{scales[i]:.2g}" if i in scales else "-" for i in INITS])
+    header = ["format", "params"] + [f"acc {i}" for i in INITS] + \
+        [f"scale at init, {i}" for i in INITS]
+    text = markdown_table(header, rows)
+    print(text)
+    if not args.smoke:
+        print(save("allconv", "# Tensorial All-Conv without batch norm, digits\n\n"
+                   f"SGD lr 5e-3, momentum 0.9, weight decay 5e-4, batch 128, {args.epochs} "
+                   "epochs; test accuracy after the last epoch (chance is 0.1). Scale at init: "
+                   "RMS of the last convolution's output over the input's. The dense row uses "
+                   f"torch's Kaiming (fan-in).\n\n{text}", started))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,60 @@
+"""Smoke versions of the paper's experiments (experiments/): tiny sizes, and the qualitative
+claim that holds robustly at that size. The full runs are `python -m experiments.NAME`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("sklearn", reason="the experiments use scikit-learn's digits")
+pytest.importorskip("tqdm", reason="the experiments show tqdm progress bars")
+
+from experiments import allconv, prop2, propagation, random_formats  # noqa: E402
+from experiments.common import digits  # noqa: E402
+
+
+def test_prop2_gaussian_scales_are_the_contracted_sizes():
+    results = prop2.run(rounds=20)
+    means = results["Gaussian"].mean(0)
+    truth = torch.tensor(prop2.WIDTHS[:-1], dtype=torch.float64).numpy()
+    assert (abs(means / truth - 1) < 0.05).all(), means
+    assert abs(results["digits"].mean(0)[0] / 96 - 1) < 0.1  # standardized real data too
+    assert results["digits, raw"].mean(0)[0] > 1.3 * 96  # raw pixels: the mean adds E[x]^2
+
+
+@pytest.mark.parametrize("phi", [1, 4])
+def test_graph_in_keeps_odd5_tanh_alive_and_unsaturated_where_xavier_per_core_does_not(phi):
+    x = digits()[2]
+    models = propagation.models(phi, seed=0)
+    for name in ("graph-in (Odd-5)", "graph-out (Odd-5)", "Xavier (Linear-5)"):
+        acts = propagation.activations(models[name], x)
+        assert max(propagation.saturation(acts)) < 0.05, name
+        assert all(0.1 < a.std() < 0.9 for a in acts), name
+    for name in ("xavier (Odd-5)", "orthogonal (Odd-5)"):
+        acts = propagation.activations(models[name], x)
+        assert acts[-1].std() < 1e-3, name  # the signal is gone by the last layer
+
+
+def test_random_formats_graph_in_keeps_the_scale_per_core_inits_lose_it():
+    x = digits(images=True)[2][:64]
+    for seed in range(3):
+        graph = random_formats.init_std(seed, "graph-in", x)
+        assert 0.02 < graph < 2
+        for init in ("xavier", "orthogonal"):
+            assert random_formats.init_std(seed, init, x) < 1e-3 * graph
+
+
+def test_allconv_graph_in_keeps_the_scale_per_core_kaiming_does_not():
+    x = digits(images=True)[2][:64]
+    for fmt in ("tr", "odd"):
+        assert 0.2 < allconv.init_scale(fmt, "graph-in", x) < 5, fmt
+    for init in ("kaiming-in", "kaiming-out"):  # vanishes or explodes, by more than 10x
+        scale = allconv.init_scale("odd", init, x)
+        assert not 0.1 < scale < 10, init
+
+
+def test_every_experiment_command_runs_its_smoke_version(capsys):
+    for module in (prop2, propagation, random_formats, allconv):
+        assert module.main(["--smoke"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("| Ground truth |") == 1 and "graph-in (Odd-5)" in out
