@@ -79,3 +79,52 @@ def test_explain_errors(capsys):
     assert "unknown init 'nope'" in capsys.readouterr().err
     assert main(["explain", str(ROOT / "examples" / "depthwise_separable.tn")]) == 2
     assert "say which one" in capsys.readouterr().err
+
+
+def test_draw_writes_the_hypergraph_as_dot(tmp_path, capsys):
+    out = tmp_path / "htk2.dot"
+    assert main(["draw", str(ROOT / "examples" / "htk2.tn"), "-o", str(out)]) == 0
+    dot = out.read_text()
+    assert dot.startswith('graph "htk2" {') and dot.rstrip().endswith("}")
+    assert '"G" [shape=box, label="G[r0, r1, kh, kw, phi]"];' in dot
+    assert '"U" -- "G" [label="r0=10"];' in dot
+    assert dot.count('-- "hyperedge:phi";') == 3  # phi joins all three cores
+    assert '"x" -- "P0:h" [label="h+kh-1"];' in dot and '"G" -- "P0:h" [label="kh"];' in dot
+    assert main(["draw", str(ROOT / "examples" / "odd.tn"), "-o", "-", "--set", "r=2"]) == 0
+    odd = capsys.readouterr().out
+    assert odd.count("[shape=box") == 9 and odd.count("=2\"];") == 14  # 14 rank edges
+
+
+def test_draw_svg_goes_through_graphviz(tmp_path, monkeypatch, capsys):
+    fake = tmp_path / "dot"  # stands in for Graphviz: wraps its input in an <svg> element
+    fake.write_text(f"#!{sys.executable}\nimport sys\n"
+                    "print('<svg>' + str(len(sys.stdin.read())) + '</svg>')\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    out = tmp_path / "net.svg"
+    assert main(["draw", str(ROOT / "examples" / "cp.tn"), "-o", str(out)]) == 0
+    assert out.read_text().startswith("<svg>")
+    monkeypatch.setenv("PATH", str(tmp_path / "nowhere"))
+    missing = tmp_path / "other.svg"
+    assert main(["draw", str(ROOT / "examples" / "cp.tn"), "-o", str(missing)]) == 2
+    assert "needs Graphviz's `dot` program" in capsys.readouterr().err
+    assert not missing.exists()
+
+
+def test_draw_refuses_an_unknown_suffix_and_bad_specs(tmp_path, capsys):
+    assert main(["draw", str(ROOT / "examples" / "cp.tn"), "-o", str(tmp_path / "a.png")]) == 2
+    assert "cannot tell the format of" in capsys.readouterr().err
+    bad = tmp_path / "bad.tn"
+    bad.write_text("x[b, c], W[c, o] -> y[b, o]\n")
+    assert main(["draw", str(bad), "-o", str(tmp_path / "a.dot")]) == 2
+    assert f"{bad}:1:" in capsys.readouterr().err and not (tmp_path / "a.dot").exists()
+
+
+def test_help_documents_exit_codes_and_examples(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    text = capsys.readouterr().out
+    assert "exit codes:" in text and "tnspec draw examples/odd.tn -o odd.svg" in text
+    with pytest.raises(SystemExit) as exc:
+        main(["compile"])  # a usage error: argparse exits with 2
+    assert exc.value.code == 2

@@ -1,6 +1,7 @@
-"""The ``tnspec`` command line: ``check``, ``compile`` and ``explain`` (``draw`` fits in next).
+"""The ``tnspec`` command line: ``check``, ``compile``, ``explain`` and ``draw``.
 
-Exit codes: 0 success, 2 a spec error or unreadable file (like a compiler), 1 anything else.
+Exit codes: 0 success, 2 a spec error, unreadable file or usage error (like a compiler),
+1 anything else.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Callable, Sequence
 
 from . import __version__
 from .api import compile, compile_all, example_shape, generate
+from .draw import to_dot, to_svg
 from .errors import SpecError
 from .ir import INITS
 
@@ -24,6 +26,13 @@ EPILOG = """examples:
   tnspec compile examples/htk2.tn -o layer.py
   tnspec compile examples/tr_conv.tn -o - --shape b=128,h=32,w=32 --set r=8 --init graph-out
   tnspec explain examples/htk2.tn --init graph-out
+  tnspec draw examples/odd.tn -o odd.svg        (SVG needs Graphviz; .dot works without)
+
+exit codes:
+  0  success
+  1  no command given, or an unexpected failure
+  2  a spec error (printed as FILE:LINE:COL), an unreadable file or a usage error;
+     no output file was written
 """
 
 
@@ -71,6 +80,18 @@ def _parser() -> argparse.ArgumentParser:
     _layer_options(expl, "the layer (default: the only one)", "store",
                    "explain this init instead of the layer's")
     expl.set_defaults(run=_explain)
+
+    draw = sub.add_parser("draw", help="draw a layer's hypergraph as Graphviz DOT or SVG",
+                          description="Draw the tensor network: operands, edges labelled with "
+                          "their sizes, hyperedges as points, convolutions as dummy tensors P. "
+                          "The format follows OUT's suffix: .dot, or .svg (needs Graphviz).")
+    draw.add_argument("file", metavar="FILE")
+    draw.add_argument("-o", "--output", required=True, metavar="OUT",
+                      help="net.dot, net.svg, or - for DOT on standard output")
+    draw.add_argument("--layer", metavar="NAME", help="the layer (default: the only one)")
+    draw.add_argument("--set", type=_assignments, default={}, metavar="r=8,...",
+                      help="override size parameters")
+    draw.set_defaults(run=_draw)
     return parser
 
 
@@ -145,6 +166,25 @@ def _explain(args: argparse.Namespace) -> int:
         for err in exc.with_filename(args.file).errors:
             print(err.render(), file=sys.stderr)
         return EXIT_SPEC
+    return EXIT_OK
+
+
+def _draw(args: argparse.Namespace) -> int:
+    try:
+        if args.output != "-" and Path(args.output).suffix not in (".dot", ".gv", ".svg"):
+            raise SpecError(f"cannot tell the format of {args.output!r}",
+                            hint="end the output name in .dot or .svg")
+        dot = to_dot(compile(_read(args.file), name=args.layer, **args.set))
+        text = to_svg(dot) if args.output.endswith(".svg") else dot
+    except SpecError as exc:
+        for err in exc.with_filename(args.file).errors:
+            print(err.render(), file=sys.stderr)
+        return EXIT_SPEC
+    if args.output == "-":
+        sys.stdout.write(text)
+        return EXIT_OK
+    _write_atomically(Path(args.output), text)
+    print(f"wrote {args.output}", file=sys.stderr)
     return EXIT_OK
 
 
