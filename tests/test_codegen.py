@@ -184,3 +184,38 @@ def test_plan_report_for_tr_names_kinds_and_beats_dense():
     assert len(rows) == len(plan.steps) == 7
     assert all((" einsum " in r) or (" conv " in r) for r in rows)
     assert sum(" conv " in r for r in rows) == 1
+
+
+def test_crafted_text_cannot_run_code_in_the_generated_module(tmp_path):
+    """Comments, layer and parameter names, and the source path end up in the module only as
+    comments, string literals or mangled identifiers: nothing a spec writes is executed."""
+    marker = tmp_path / "pwned"
+    payload = f'""" ; import os ; os.system("touch {marker}") ; """'
+    text = (f"# {payload}\n# \\\n"
+            "layer exec(print=4, open=3, r=2, nn=2) {  # ''' __import__('os') \\\n"
+            "    kh = open\n"
+            "    x[b, print, t+kh-1], os[print, r], system[r, kh, open], math[open, nn]"
+            " -> y[b, nn, t]\n}\n")
+    source = generate(text, source=f'evil"""\nimport os\nos.system("touch {marker}")  # \\')
+    tree = ast.parse(source)
+    imports = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import)
+               for alias in node.names}
+    imports |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    assert imports <= {"torch", "torch.nn.functional", "math", "__future__"}
+    calls = {ast.unparse(node.func) for node in ast.walk(tree) if isinstance(node, ast.Call)}
+    assert not calls & {"os.system", "__import__", "eval", "exec", "print", "open"}
+    assert str(marker) not in "".join(n.value for n in ast.walk(tree)
+                                      if isinstance(n, ast.Constant) and isinstance(n.value, str))
+    module = load(source, tmp_path, "hostile_text")
+    layer = module.Exec()
+    assert dict(layer.named_parameters()).keys() == {"os", "system", "math", "bias"}
+    assert layer(torch.randn(2, 4, 9)).shape == (2, 2, 9)
+    assert not marker.exists()
+
+
+def test_planned_intermediates_are_bounded_before_anything_is_allocated():
+    module = tnspec.layer("x[b, c, h+k-1], U[c, r], V[r, o, k] -> y[b, o, h]", c=8, r=4, o=8,
+                          k=3, max_elements=100)
+    with pytest.raises(tnspec.SpecError, match=r"intermediate .* would have .* elements per "
+                                                r"sample, more than the limit of 100"):
+        module(torch.randn(2, 8, 1000))

@@ -250,12 +250,21 @@ class Problem:
             if b & 1:
                 a, b, left, right = b, a, right, left
             order = self.result_order(left, right, convs, self.legs(a | b), bool(a & 1))
-            result = Operand(f"t{len(steps) + 1}", order)
+            result = Operand(self.fresh_name(len(steps) + 1), order)
             kind = "conv" if convs else "einsum"
             steps.append(Step(left, right, result, kind, convs, macs, bool(a & 1), impl,
                               seconds))
             live.append((a | b, result))
         return steps if len(live) == 1 else None
+
+    def fresh_name(self, k: int) -> str:
+        """``t<k>`` for the k-th intermediate, never the name of one of the network's tensors
+        (a core may be called ``t1``)."""
+        taken = {self.net.input.name, self.net.output.name} | {c.name for c in self.net.cores}
+        name = f"t{k}"
+        while name in taken:
+            name += "_"
+        return name
 
     def result_order(self, left: Operand, right: Operand, convs: Sequence[Conv],
                      kept: Sequence[str], data_side: bool) -> tuple[str, ...]:
