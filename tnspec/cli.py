@@ -130,9 +130,7 @@ def _check(args: argparse.Namespace) -> int:
         try:
             networks = compile_all(_read(path))
         except SpecError as exc:
-            for err in exc.with_filename(path).errors:
-                print(err.render(), file=sys.stderr)
-            status = EXIT_SPEC
+            status = _report(exc, path)
             continue
         for net in networks:
             print(f"{path}: {net.name or 'network'}: {net.summary()}")
@@ -145,15 +143,8 @@ def _compile(args: argparse.Namespace) -> int:
         source = generate(text, names=args.layer, shape=args.shape, init=args.init,
                           source=args.file, **args.set)
     except SpecError as exc:
-        for err in exc.with_filename(args.file).errors:
-            print(err.render(), file=sys.stderr)
-        return EXIT_SPEC
-    if args.output == "-":
-        sys.stdout.write(source)
-        return EXIT_OK
-    _write_atomically(Path(args.output), source)
-    print(f"wrote {args.output}", file=sys.stderr)
-    return EXIT_OK
+        return _report(exc, args.file)
+    return _emit(args.output, source)
 
 
 def _explain(args: argparse.Namespace) -> int:
@@ -163,9 +154,7 @@ def _explain(args: argparse.Namespace) -> int:
             raise SpecError(f"unknown init {args.init!r}", hint=f"choose one of {', '.join(INITS)}")
         print(net.explain(args.init, example_shape(net, args.shape)))
     except SpecError as exc:
-        for err in exc.with_filename(args.file).errors:
-            print(err.render(), file=sys.stderr)
-        return EXIT_SPEC
+        return _report(exc, args.file)
     return EXIT_OK
 
 
@@ -177,14 +166,24 @@ def _draw(args: argparse.Namespace) -> int:
         dot = to_dot(compile(_read(args.file), name=args.layer, **args.set))
         text = to_svg(dot) if args.output.endswith(".svg") else dot
     except SpecError as exc:
-        for err in exc.with_filename(args.file).errors:
-            print(err.render(), file=sys.stderr)
-        return EXIT_SPEC
-    if args.output == "-":
+        return _report(exc, args.file)
+    return _emit(args.output, text)
+
+
+def _report(exc: SpecError, path: str) -> int:
+    """Print every error of ``exc`` as FILE:LINE:COL; the spec-error exit code."""
+    for err in exc.with_filename(path).errors:
+        print(err.render(), file=sys.stderr)
+    return EXIT_SPEC
+
+
+def _emit(output: str, text: str) -> int:
+    """Write ``text`` to standard output (``-``) or, atomically, to the file ``output``."""
+    if output == "-":
         sys.stdout.write(text)
-        return EXIT_OK
-    _write_atomically(Path(args.output), text)
-    print(f"wrote {args.output}", file=sys.stderr)
+    else:
+        _write_atomically(Path(output), text)
+        print(f"wrote {output}", file=sys.stderr)
     return EXIT_OK
 
 
