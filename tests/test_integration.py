@@ -68,6 +68,22 @@ def test_torch_compile_fullgraph_equals_eager():
     assert torch.allclose(compiled(x), a(x), rtol=1e-5, atol=1e-5)
 
 
+def test_torch_compile_with_dynamic_shapes():
+    """A second input shape makes dynamo trace shapes symbolically; planning must not need
+    them as constants. (The aot_eager backend: Inductor 2.13 itself fails on this graph with
+    dynamic=True, in its own sympy comparison.)"""
+    torch._dynamo.reset()
+    a = make()
+    compiled = torch.compile(a, fullgraph=True, dynamic=True, backend="aot_eager")
+    for shape in ((2, 64, 8, 8), (3, 64, 10, 6)):
+        x = torch.randn(shape)
+        assert torch.allclose(compiled(x), a(x), rtol=1e-4, atol=1e-5)
+    other = tnspec.layer(TEXT, c=32)  # another layer of the same class, another shape
+    x = torch.randn(2, 32, 12, 12)
+    assert torch.allclose(torch.compile(other, fullgraph=True)(x), other(x), rtol=1e-4,
+                          atol=1e-5)
+
+
 def test_torch_export_inline_and_generated(tmp_path):
     x = torch.randn(2, 64, 8, 8)
     for module in (make(), generated(tmp_path)):

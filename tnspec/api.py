@@ -167,6 +167,7 @@ class Layer(nn.Module):
         else:
             self.register_parameter("bias", None)
         self._programs: dict[tuple[int, ...], Program] = {}
+        self._last_shape: tuple[int, ...] | None = None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -222,7 +223,12 @@ class Layer(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         params = {c.name: getattr(self, c.name) for c in self.network.cores}
-        return run(_program(self, tuple(x.shape)), x, params, self.sizes, self.bias)
+        if torch.compiler.is_compiling():
+            program = _traced_program(self)
+        else:
+            program = self.program(tuple(x.shape))
+            self._last_shape = tuple(int(n) for n in x.shape)
+        return run(program, x, params, self.sizes, self.bias)
 
     def extra_repr(self) -> str:
         opts = self.network.options
@@ -231,7 +237,10 @@ class Layer(nn.Module):
 
 
 @torch._dynamo.assume_constant_result
-def _program(layer: Layer, shape: tuple[int, ...]) -> Program:
-    """The layer's Program for ``shape``. Planning is plain Python that torch.compile should
-    not trace: under compilation it runs once, at trace time, and its result is a constant."""
+def _traced_program(layer: Layer) -> Program:
+    """The Program a compiled layer runs: planned for the last input shape seen eagerly, else
+    for the default example shape. Every Program runs any input shape, and the input's shape may
+    be symbolic while tracing (dynamic shapes), so it is not part of the key. Planning is plain
+    Python that torch.compile should not trace: it runs once, at trace time, as a constant."""
+    shape = getattr(layer, "_last_shape", None) or example_shape(layer.network, {})
     return layer.program(shape)
