@@ -44,15 +44,18 @@ def layer(fmt: str, i: int, init: str) -> nn.Module:
         nn.init.zeros_(conv.bias)
         return conv
     if fmt.startswith("random"):
-        modes = lambda n: (1,) if n == 1 else (2, 5) if n == 10 else (4, 6)  # noqa: E731
-        spec = formats.random(100 * int(fmt[-1]) + i, kernel=k, stride=s, in_modes=modes(cin),
-                              out_modes=modes(cout))
+        spec = formats.random(100 * int(fmt[-1]) + i, kernel=k, stride=s,
+                              in_modes=_random_modes(cin), out_modes=_random_modes(cout))
     else:
         n = MODES.get(fmt, 1)
         spec = formats.build(fmt, cin, cout, k, rank=3 if fmt == "odd" else 6, stride=s,
                              padding=pad, in_modes=n, out_modes=n,
                              phi=4 if fmt in ("htk2", "odd") else None)
     return spec.layer(init=init, activation=act)
+
+
+def _random_modes(channels: int) -> tuple[int, ...]:
+    return {1: (1,), 10: (2, 5)}.get(channels, (4, 6))
 
 
 class AllConv(nn.Sequential):

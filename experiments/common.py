@@ -97,7 +97,8 @@ def markdown_table(header: Sequence[str], rows: Iterable[Sequence[object]]) -> s
 def environment() -> str:
     """One line naming the machine and versions the numbers were measured with."""
     import sklearn
-    return (f"{platform.machine()} {platform.processor() or ''}, {torch.get_num_threads()} "
+    cpu = " ".join(filter(None, (platform.machine(), platform.processor())))
+    return (f"{cpu}, {torch.get_num_threads()} "
             f"threads, Python {platform.python_version()}, torch {torch.__version__}, "
             f"tnspec {tnspec.__version__}, scikit-learn {sklearn.__version__}")
 

@@ -125,6 +125,7 @@ def test_a_deep_plain_relu_net_keeps_its_scale():
     def scale(model):
         with torch.no_grad():
             return (model(x).pow(2).mean() / x.pow(2).mean()).sqrt().item()
+
     def median(make):
         values = []
         for seed in range(5):
@@ -159,11 +160,13 @@ def test_include_and_exclude_select_layers():
     def model():
         return nn.Sequential(nn.Conv2d(8, 8, 3), nn.Sequential(nn.Conv2d(8, 8, 3),
                                                              nn.Linear(8, 8)))
-    names = lambda report: [r.name for r in report.replaced]  # noqa: E731
+    def names(report):
+        return [r.name for r in report.replaced]
     assert names(tnspec.tensorize(model(), "cp", rank=2, include="1.*")[1]) == ["1.0", "1.1"]
     assert names(tnspec.tensorize(model(), "cp", rank=2, exclude=["1.*"])[1]) == ["0"]
-    assert names(tnspec.tensorize(model(), "cp", rank=2, include=lambda n, m: isinstance(
-        m, nn.Linear))[1]) == ["1.1"]
+    linear_only = tnspec.tensorize(model(), "cp", rank=2,
+                                   include=lambda name, m: isinstance(m, nn.Linear))[1]
+    assert names(linear_only) == ["1.1"]
     model_, report = tnspec.tensorize(model(), "cp", rank=2)
     assert len(report.replaced) == 3 and "tensorize: 3 layer(s) to cp" in str(report)
     _, again = tnspec.tensorize(model_, "cp", rank=2)  # tnspec layers are not re-tensorized

@@ -7,7 +7,9 @@
 
 Stages, one module each: parse (text -> AST), check (AST -> ir.Network), ir (the data model),
 init (how cores are drawn), plan (contraction order), lower (statements, and their
-interpreter), codegen (Python source), api (entry points) and cli (the ``tnspec`` command).
+interpreter), codegen (Python source), api (entry points) and cli (the ``tnspec`` command);
+around them: formats (named formats as spec text), convert (``tensorize`` an existing model)
+and draw (the hypergraph as Graphviz DOT).
 """
 
 __version__ = "0.1.0"  # first: codegen stamps it into generated modules

@@ -151,7 +151,8 @@ def _explain(args: argparse.Namespace) -> int:
     try:
         net = compile(_read(args.file), name=args.layer)
         if args.init is not None and args.init not in INITS:
-            raise SpecError(f"unknown init {args.init!r}", hint=f"choose one of {', '.join(INITS)}")
+            raise SpecError(f"unknown init {args.init!r}",
+                            hint=f"choose one of {', '.join(INITS)}")
         print(net.explain(args.init, example_shape(net, args.shape)))
     except SpecError as exc:
         return _report(exc, args.file)
