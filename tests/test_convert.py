@@ -158,8 +158,9 @@ def test_layers_that_cannot_be_expressed_are_skipped_with_a_reason():
 
 def test_include_and_exclude_select_layers():
     def model():
-        return nn.Sequential(nn.Conv2d(8, 8, 3), nn.Sequential(nn.Conv2d(8, 8, 3),
-                                                             nn.Linear(8, 8)))
+        inner = nn.Sequential(nn.Conv2d(8, 8, 3), nn.Linear(8, 8))
+        return nn.Sequential(nn.Conv2d(8, 8, 3), inner)
+
     def names(report):
         return [r.name for r in report.replaced]
     assert names(tnspec.tensorize(model(), "cp", rank=2, include="1.*")[1]) == ["1.0", "1.1"]
