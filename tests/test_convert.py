@@ -146,12 +146,14 @@ def test_layers_that_cannot_be_expressed_are_skipped_with_a_reason():
                           nn.Conv2d(4, 4, 3, groups=4),
                           nn.Conv2d(4, 4, 3),
                           nn.Linear(4, 4))
+    model.append(nn.MultiheadAttention(4, 2))
     _, report = tnspec.tensorize(model, "tucker2", rank=0.01)
     reasons = dict(report.skipped)
     assert "padding_mode='reflect'" in reasons["0"]
     assert "pads one side more" in reasons["1"]
     assert "depthwise" in reasons["2"]
     assert "even rank 1 has" in reasons["3"]
+    assert "MultiheadAttention reads" in reasons["5.out_proj"]
     assert not report.replaced
     assert "skipped: padding_mode='reflect'" in str(report)
 

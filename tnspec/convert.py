@@ -136,6 +136,8 @@ def _replacement(module: nn.Module, format: str, rank: int | float, init: str,
                  activation: str | float, options: dict[str, Any]) -> Layer:
     """The tnspec layer for one dense layer; SpecError says why it cannot be."""
     weight = module.weight
+    if isinstance(module, nn.modules.linear.NonDynamicallyQuantizableLinear):
+        raise SpecError("nn.MultiheadAttention reads this layer's weight directly")
     if isinstance(module, nn.Linear):
         fmt = formats.build(format, module.in_features, module.out_features, (), rank=rank,
                             **options)
