@@ -23,7 +23,7 @@ from torch import nn
 
 from tnspec import formats
 
-from .common import digits, markdown_table, progress, save, train
+from .common import RESULTS, digits, markdown_table, plt, progress, save, train
 
 C = 24
 LAYERS = ((3, 1), (3, 1), (3, 2), (3, 1), (3, 1), (3, 2), (3, 1), (1, 1), (1, 1))  # kernel, stride
@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.time()
     data = digits(images=True)
     fmts = ("tr", "odd") if args.smoke else FORMATS
-    rows = []
+    rows, curves = [], {}
     for fmt in progress(fmts, "formats"):
         inits = ("kaiming-in",) if fmt == "dense" else INITS
         scales = {i: init_scale(fmt, i, data[2]) for i in inits}
@@ -100,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
                 p, lr=5e-3, momentum=0.9, weight_decay=5e-4), epochs=args.epochs, batch=128,
                 seed=0)
             accs[init] = hist.final_acc
+            curves[(fmt, init)] = hist.test_acc
         params = sum(p.numel() for p in AllConv(fmt, inits[0]).parameters())
         rows.append([fmt, f"{params:,}"] + [
             f"{accs[i]:.3f}" if i in accs else ("-" if i not in scales else "")
@@ -109,12 +110,30 @@ def main(argv: list[str] | None = None) -> int:
     text = markdown_table(header, rows)
     print(text)
     if not args.smoke:
+        _plot(curves)
         print(save("allconv", "# Tensorial All-Conv without batch norm, digits\n\n"
                    f"SGD lr 5e-3, momentum 0.9, weight decay 5e-4, batch 128, {args.epochs} "
                    "epochs; test accuracy after the last epoch (chance is 0.1). Scale at init: "
                    "RMS of the last convolution's output over the input's. The dense row uses "
-                   f"torch's Kaiming (fan-in).\n\n{text}", started))
+                   f"torch's Kaiming (fan-in).\n\n{text}\n\n![test accuracy per epoch]"
+                   "(allconv.png)", started))
     return 0
+
+
+def _plot(curves: dict[tuple[str, str], list[float]]) -> None:
+    pyplot = plt()
+    fmts = [f for f in FORMATS if f != "dense"]
+    fig, axes = pyplot.subplots(2, 5, figsize=(15, 5.5), sharex=True, sharey=True)
+    for ax, fmt in zip(axes.flat, fmts):
+        ax.plot(curves[("dense", "kaiming-in")], color="grey", lw=0.8, label="dense, Kaiming")
+        for k, init in enumerate(INITS):
+            ax.plot(curves[(fmt, init)], f"C{k}", label=init)
+        ax.set_title(fmt)
+    axes[0, 0].set_ylabel("test accuracy")
+    axes[1, 0].set_ylabel("test accuracy")
+    axes[0, 0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(RESULTS / "allconv.png", dpi=80)
 
 
 if __name__ == "__main__":

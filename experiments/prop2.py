@@ -18,7 +18,7 @@ import time
 import numpy as np
 import torch
 
-from .common import digits, markdown_table, progress, save
+from .common import RESULTS, digits, markdown_table, plt, progress, save
 
 WIDTHS = (96, 200, 400, 600, 800, 1000, 800, 600, 400, 200, 100)
 
@@ -68,9 +68,28 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     if not args.smoke:
         rounds = len(results["Gaussian"])
-        print(save("prop2", f"# Scale change in propagation ({rounds} rounds each)\n\n{text}",
-                   started))
+        _plot(results)
+        print(save("prop2", f"# Scale change in propagation ({rounds} rounds each)\n\n{text}"
+                   "\n\n![measured over predicted scale](prop2.png)", started))
     return 0
+
+
+def _plot(results: dict[str, np.ndarray]) -> None:
+    pyplot = plt()
+    fig, ax = pyplot.subplots(figsize=(8, 3.5))
+    truth = np.array(WIDTHS[:-1], dtype=float)
+    steps = np.arange(1, 11)
+    for k, (name, s) in enumerate(results.items()):
+        ratio = s / truth
+        ax.errorbar(steps + 0.15 * (k - 1), ratio.mean(0), yerr=ratio.std(0), fmt="o",
+                    capsize=3, label=name)
+    ax.axhline(1, color="grey", lw=0.8)
+    ax.set_xticks(steps)
+    ax.set_xlabel("scale t")
+    ax.set_ylabel("measured / predicted (mean ± std)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(RESULTS / "prop2.png", dpi=80)
 
 
 if __name__ == "__main__":
