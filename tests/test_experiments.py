@@ -3,6 +3,7 @@ claim that holds robustly at that size. The full runs are `python -m experiments
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -16,7 +17,7 @@ from experiments.common import digits  # noqa: E402
 def test_prop2_gaussian_scales_are_the_contracted_sizes():
     results = prop2.run(rounds=20)
     means = results["Gaussian"].mean(0)
-    truth = torch.tensor(prop2.WIDTHS[:-1], dtype=torch.float64).numpy()
+    truth = np.array(prop2.WIDTHS[:-1], dtype=float)
     assert (abs(means / truth - 1) < 0.05).all(), means
     assert abs(results["digits"].mean(0)[0] / 96 - 1) < 0.1  # standardized real data too
     assert results["digits, raw"].mean(0)[0] > 1.3 * 96  # raw pixels: the mean adds E[x]^2

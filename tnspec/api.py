@@ -226,8 +226,8 @@ class Layer(nn.Module):
         if torch.compiler.is_compiling():
             program = _traced_program(self)
         else:
-            program = self.program(tuple(x.shape))
-            self._last_shape = tuple(int(n) for n in x.shape)
+            self._last_shape = tuple(x.shape)
+            program = self.program(self._last_shape)
         return run(program, x, params, self.sizes, self.bias)
 
     def extra_repr(self) -> str:

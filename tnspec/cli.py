@@ -63,11 +63,8 @@ def _parser() -> argparse.ArgumentParser:
                           description="Compile the layers of a .tn file into one Python module "
                           "(one class per layer) that imports only torch. The file is written "
                           "only after the whole compile succeeded.")
-    comp.add_argument("file", metavar="FILE")
-    comp.add_argument("-o", "--output", required=True, metavar="OUT",
-                      help="the .py file to write, or - for standard output")
-    comp.add_argument("--set", type=_assignments, default={}, metavar="r=8,...",
-                      help="override size parameters of the layers that declare them")
+    _file_options(comp, "the .py file to write, or - for standard output",
+                  "override size parameters of the layers that declare them")
     _layer_options(comp, "compile only this layer (may be repeated)", "append",
                    "override every layer's init option")
     comp.set_defaults(run=_compile)
@@ -85,14 +82,19 @@ def _parser() -> argparse.ArgumentParser:
                           description="Draw the tensor network: operands, edges labelled with "
                           "their sizes, hyperedges as points, convolutions as dummy tensors P. "
                           "The format follows OUT's suffix: .dot, or .svg (needs Graphviz).")
-    draw.add_argument("file", metavar="FILE")
-    draw.add_argument("-o", "--output", required=True, metavar="OUT",
-                      help="net.dot, net.svg, or - for DOT on standard output")
+    _file_options(draw, "net.dot, net.svg, or - for DOT on standard output",
+                  "override size parameters")
     draw.add_argument("--layer", metavar="NAME", help="the layer (default: the only one)")
-    draw.add_argument("--set", type=_assignments, default={}, metavar="r=8,...",
-                      help="override size parameters")
     draw.set_defaults(run=_draw)
     return parser
+
+
+def _file_options(parser: argparse.ArgumentParser, output_help: str, set_help: str) -> None:
+    """FILE, -o OUT and --set, shared by the commands that write a file."""
+    parser.add_argument("file", metavar="FILE")
+    parser.add_argument("-o", "--output", required=True, metavar="OUT", help=output_help)
+    parser.add_argument("--set", type=_assignments, default={}, metavar="r=8,...",
+                        help=set_help)
 
 
 def _layer_options(parser: argparse.ArgumentParser, layer_help: str, layer_action: str,

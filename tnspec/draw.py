@@ -13,7 +13,7 @@ import shutil
 import subprocess
 
 from .errors import SpecError
-from .ir import Network
+from .ir import Network, Tensor
 
 
 def to_dot(net: Network) -> str:
@@ -25,7 +25,7 @@ def to_dot(net: Network) -> str:
              "  node [fontname=Helvetica]; edge [fontname=Helvetica, fontsize=10];"]
     for t in operands:
         shape = "box" if t in net.cores else "ellipse"
-        lines.append(f"  {_quote(t.name)} [shape={shape}, label={_quote(_label(t, sizes))}];")
+        lines.append(f"  {_quote(t.name)} [shape={shape}, label={_quote(_label(t))}];")
     conv_names: set[str] = set()
     for k, conv in enumerate(net.convs):
         node = f"P{k}:{conv.target}"
@@ -66,7 +66,7 @@ def to_svg(dot: str) -> str:
     return result.stdout
 
 
-def _label(t, sizes: dict[str, int]) -> str:
+def _label(t: Tensor) -> str:
     axes = ", ".join(" ".join(a) if len(a) == 1 else f"({' '.join(a)})" for a in t.axes)
     return f"{t.name}[{axes}]"
 

@@ -19,6 +19,7 @@ that fraction of the dense layer's parameters); ``phi`` (a hyperedge carried by 
 
 from __future__ import annotations
 
+import math
 import random as _random
 from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Sequence
 
@@ -156,10 +157,8 @@ def build(format: str, in_channels: int, out_channels: int, kernel_size: IntOrTu
                         hint="give in_modes and out_modes of length 2")
     if format == "depthwise_separable" and groups != 1:
         raise SpecError("depthwise_separable takes no groups", hint="leave groups=1")
-    x_axis, y_axis, spatial, sizes = _geometry(cin, cout, kernel_size, stride, padding,
-                                               dilation, groups)
-    parts = _Parts(list(sizes)[:len(cin)], list(sizes)[len(cin):len(cin) + len(cout)],
-                   [k for k in sizes if k.startswith("k")])
+    x_axis, y_axis, spatial, sizes, parts = _geometry(cin, cout, kernel_size, stride, padding,
+                                                      dilation, groups)
     if format == "depthwise_separable" and not parts.ks:
         raise SpecError("depthwise_separable needs a kernel", hint="give kernel_size")
     ranks = ["r"] if count(parts) == 1 else [f"r{i}" for i in range(count(parts))]
@@ -190,7 +189,7 @@ def build(format: str, in_channels: int, out_channels: int, kernel_size: IntOrTu
         if not 0 < rank <= 1:
             raise SpecError(f"a fractional rank is a share of the dense parameters, got {rank}",
                             hint="give a float in (0, 1] or an int")
-        dense = in_channels * out_channels // groups * _prod(sizes[k] for k in parts.ks)
+        dense = in_channels * out_channels // groups * math.prod(sizes[k] for k in parts.ks)
         return _fit(lambda r: make([r] * free), rank * dense)
     rank_sizes = [rank] * free if isinstance(rank, int) else list(rank)
     if free and (len(rank_sizes) != free or any(r < 1 for r in rank_sizes)):
@@ -201,8 +200,8 @@ def build(format: str, in_channels: int, out_channels: int, kernel_size: IntOrTu
 
 def _geometry(cin: list[int], cout: list[int], kernel_size: IntOrTuple, stride: IntOrTuple,
               padding: IntOrTuple | str, dilation: IntOrTuple, groups: int
-              ) -> tuple[str, str, list[str], dict[str, int]]:
-    """Input/output channel axes, input spatial terms, and sizes (modes first, kernels last)."""
+              ) -> tuple[str, str, list[str], dict[str, int], _Parts]:
+    """Input/output channel axes, input spatial terms, sizes, and the mode and kernel names."""
     ins = ["c"] if len(cin) == 1 else [f"c{i}" for i in range(len(cin))]
     outs = ["o"] if len(cout) == 1 else [f"o{i}" for i in range(len(cout))]
     sizes = dict(zip(ins, cin)) | dict(zip(outs, cout))
@@ -224,12 +223,13 @@ def _geometry(cin: list[int], cout: list[int], kernel_size: IntOrTuple, stride: 
         raise SpecError(f"unknown padding {padding!r}", hint="give ints or 'same'")
     else:
         pads = _per_dim(padding, dims, "padding", minimum=0)
-    spatial = []
+    spatial, ks = [], []
     for t, k, s, d, p in zip(SPATIAL.get(dims, ()), kernel, strides, dilations, pads):
         term = (f"{s}*{t}" if s != 1 else t) + "+" + (f"{d}*k{t}" if d != 1 else f"k{t}")
         spatial.append(term + (f"-{p}" if p else ""))
         sizes[f"k{t}"] = k
-    return x_axis, y_axis, spatial, sizes
+        ks.append(f"k{t}")
+    return x_axis, y_axis, spatial, sizes, _Parts(ins, outs, ks)
 
 
 def _per_dim(value: IntOrTuple, dims: int, what: str, minimum: int = 1) -> tuple[int, ...]:
@@ -243,8 +243,8 @@ def _per_dim(value: IntOrTuple, dims: int, what: str, minimum: int = 1) -> tuple
 def _modes(channels: int, modes: int | Sequence[int], side: str) -> list[int]:
     """``channels`` as a list of mode sizes: given, or split into ``modes`` near-equal ones."""
     if not isinstance(modes, int):
-        if _prod(modes) != channels:
-            raise SpecError(f"{side}_modes {tuple(modes)} multiply to {_prod(modes)}, not "
+        if math.prod(modes) != channels:
+            raise SpecError(f"{side}_modes {tuple(modes)} multiply to {math.prod(modes)}, not "
                             f"{channels}", hint="the modes' product is the channels per group")
         return list(modes)
     factors, n, f = [], channels, 2
@@ -281,13 +281,6 @@ def _fit(make: Callable[[int], Format], budget: float) -> Format:
 
 def _letters(n: int) -> list[str]:
     return [chr(ord("A") + i) for i in range(n)] if n <= 26 else [f"V{i}" for i in range(n)]
-
-
-def _prod(values: Any) -> int:
-    out = 1
-    for v in values:
-        out *= v
-    return out
 
 
 def _named(fmt: str) -> Callable[..., Format]:
