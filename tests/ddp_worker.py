@@ -1,20 +1,27 @@
-"""One DistributedDataParallel training step of a tensorized model, 2 CPU processes (gloo).
+"""One rank of a DistributedDataParallel training step of a tensorized model (gloo, CPU).
 
-    python -m tests.ddp_worker OUT    # writes OUT.init, OUT.0, OUT.1 (state dicts)
+    python -m tests.ddp_worker DIR RANK WORLD    # writes DIR/init.pt (rank 0) and DIR/RANK.pt
+
+The ranks meet through a file store in DIR and talk over the loopback interface, so nothing
+is looked up by hostname: in a sandbox with no DNS, name lookups can stall for minutes.
+Each step is printed to stderr and a rank that hangs dumps its stack and exits, so a failure
+says where it stopped.
 """
 
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import os
 import socket
 import sys
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import tnspec
+
+HANG_S = 120  # the test waits longer than this, so a hang always ends with a stack dump
 
 
 def model() -> torch.nn.Module:
@@ -25,23 +32,38 @@ def model() -> torch.nn.Module:
     return net
 
 
-def step(rank: int, world: int, port: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
+def say(rank: int, what: str) -> None:
+    print(f"[rank {rank}] {what}", file=sys.stderr, flush=True)
+
+
+def main(folder: str, rank: int, world: int) -> None:
+    faulthandler.dump_traceback_later(HANG_S, exit=True)
+    if "lo" in {name for _, name in socket.if_nameindex()}:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    torch.set_num_threads(1)  # two ranks on a 2-core machine
     net = model()
+    if rank == 0:
+        torch.save(net.state_dict(), os.path.join(folder, "init.pt"))
+    say(rank, "joining the process group")
+    store = dist.FileStore(os.path.join(folder, "store"), world)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    say(rank, "wrapping in DistributedDataParallel")
     ddp = torch.nn.parallel.DistributedDataParallel(net)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
     torch.manual_seed(100 + rank)  # each rank its own batch
+    say(rank, "one training step")
     ddp(torch.randn(4, 8, 4, 4)).square().mean().backward()
     opt.step()
-    torch.save({k: v.detach() for k, v in net.state_dict().items()}, f"{out}.{rank}")
+    torch.save({k: v.detach() for k, v in net.state_dict().items()},
+               os.path.join(folder, f"{rank}.pt"))
+    # Tear down in order: the wrapper (its reducer holds the group) before the group, and
+    # no rank before the other is done; otherwise a rank can hang at exit now and then.
+    del ddp, opt
+    dist.barrier()
     dist.destroy_process_group()
+    say(rank, "done")
 
 
 if __name__ == "__main__":
-    torch.save(model().state_dict(), f"{sys.argv[1]}.init")
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    mp.spawn(step, args=(2, port, sys.argv[1]), nprocs=2, join=True)
+    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))
