@@ -8,7 +8,7 @@ import torch
 
 import tnspec
 import tnspec.runtime
-from tnspec.api import example_shape
+from tnspec.api import example_shape, generate
 
 from .conftest import EXAMPLES
 from .reference import dense_forward
@@ -122,6 +122,18 @@ def test_compile_gives_a_network_with_plan():
     net = tnspec.compile("x[b, c, h+kh-1], W[o, c, kh] -> y[b, o, h]", c=4, o=8, kh=3)
     plan = net.plan((2, 4, 10))
     assert [s.kind for s in plan.steps] == ["conv"] and plan.network.sizes["h"] == 10
+
+
+def test_index_names_that_are_keywords_of_the_api_go_in_sizes():
+    text = "x[b, name], W[name, init] -> y[b, init]"
+    m = tnspec.layer(text, sizes={"name": 4, "init": 3}, init="graph-out")
+    assert m.sizes == {"name": 4, "init": 3} and m.network.options.init == "graph-out"
+    assert m(torch.ones(2, 4)).shape == (2, 3)
+    assert tnspec.compile("x[b, text], W[text, o] -> y[b, o]", text=2, o=3).sizes["text"] == 2
+    assert "def __init__(self, name: int = 4, init: int = 3," in generate(
+        text, sizes={"name": 4, "init": 3})
+    with pytest.raises(tnspec.SpecError, match="size 'o' is given twice"):
+        tnspec.layer("x[b, i], W[i, o] -> y[b, o]", sizes={"i": 2, "o": 3}, o=4)
 
 
 def test_autotune_keeps_a_correct_candidate():

@@ -95,6 +95,15 @@ def test_draw_writes_the_hypergraph_as_dot(tmp_path, capsys):
     assert odd.count("[shape=box") == 9 and odd.count("=2\"];") == 14  # 14 rank edges
 
 
+def test_set_reaches_parameters_named_like_api_keywords(tmp_path, capsys):
+    spec = tmp_path / "lin.tn"
+    spec.write_text("layer lin(name=4, init=3) {\n    x[b, name], W[name, init] -> y[b, init]\n}\n")
+    assert main(["draw", str(spec), "-o", "-", "--set", "name=5"]) == 0
+    assert '"x" -- "W" [label="name=5"];' in capsys.readouterr().out
+    assert main(["compile", str(spec), "-o", "-", "--set", "init=7"]) == 0
+    assert "name: int = 4, init: int = 7" in capsys.readouterr().out
+
+
 def test_draw_svg_goes_through_graphviz(tmp_path, monkeypatch, capsys):
     fake = tmp_path / "dot"  # stands in for Graphviz: wraps its input in an <svg> element
     fake.write_text(f"#!{sys.executable}\nimport sys\n"

@@ -23,18 +23,30 @@ from .settings import activation_from_python
 from .codegen import summary_line
 
 
-def compile(text: str, *, name: str | None = None, max_elements: int = DEFAULT_MAX_ELEMENTS,
-            **sizes: Any) -> Network:
+def compile(text: str, /, *, name: str | None = None,
+            max_elements: int = DEFAULT_MAX_ELEMENTS, sizes: Mapping[str, int] | None = None,
+            **more_sizes: int) -> Network:
     """Parse and check ``text`` (an expression or a ``.tn`` file) into a :class:`Network`.
 
-    ``name`` picks a layer of a file; keyword ``sizes`` bind or override index sizes. Cores with
-    more than ``max_elements`` elements are refused. Raises :class:`tnspec.SpecError`.
+    ``name`` picks a layer of a file; ``sizes`` and keyword sizes bind or override index sizes
+    (the mapping takes any index name, also one that is a keyword of this function). Cores
+    with more than ``max_elements`` elements are refused. Raises :class:`tnspec.SpecError`.
 
     >>> net = compile("x[b, i], W[i, o] -> y[b, o]", i=4, o=3)
     >>> net.sizes
     {'i': 4, 'o': 3}
     """
-    return check(parse(text), layer=name, sizes=sizes, max_elements=max_elements)
+    return check(parse(text), layer=name, sizes=_merge(sizes, more_sizes),
+                 max_elements=max_elements)
+
+
+def _merge(sizes: Mapping[str, int] | None, more: Mapping[str, int]) -> dict[str, int]:
+    """The ``sizes`` mapping and keyword sizes as one dict; an index given in both is refused."""
+    both = sorted(set(sizes or {}) & set(more))
+    if both:
+        raise SpecError(f"size {both[0]!r} is given twice, in sizes= and as a keyword",
+                        hint="give each size once")
+    return {**(sizes or {}), **more}
 
 
 def compile_all(text: str, *, max_elements: int = DEFAULT_MAX_ELEMENTS) -> list[Network]:
@@ -43,16 +55,18 @@ def compile_all(text: str, *, max_elements: int = DEFAULT_MAX_ELEMENTS) -> list[
     return [check(doc, layer=lay.name, max_elements=max_elements) for lay in doc.layers]
 
 
-def generate(text: str, *, names: Sequence[str] | None = None,
+def generate(text: str, /, *, names: Sequence[str] | None = None,
              shape: Mapping[str, int] | None = None, init: str | None = None,
-             planner: str = "auto", source: str | None = None, **sizes: Any) -> str:
+             planner: str = "auto", source: str | None = None,
+             sizes: Mapping[str, int] | None = None, **more_sizes: int) -> str:
     """Python source of a standalone module with one class per layer of ``text``.
 
     ``names`` picks layers (default: all); ``shape`` gives the input sizes the contraction order
     is planned for (batch and spatial indices by name, spatial ones by their output index;
-    default 32 each); keyword ``sizes`` override the parameters of the layers that declare
-    them.
+    default 32 each); ``sizes`` and keyword sizes override the parameters of the layers that
+    declare them.
     """
+    sizes = _merge(sizes, more_sizes)
     doc = parse(text)
     chosen = list(names) if names else [lay.name for lay in doc.layers]
     unused = set(sizes) if doc.is_file else set()
@@ -110,15 +124,17 @@ def _with_options(net: Network, **overrides: Any) -> Network:
     return replace(net, options=replace(net.options, **values)) if values else net
 
 
-def layer(text: str, *, name: str | None = None, init: str | None = None,
+def layer(text: str, /, *, name: str | None = None, init: str | None = None,
           activation: str | float | None = None, bias: bool | None = None,
           distribution: str | None = None, stride_count: str | None = None,
           init_weights: Mapping[str, float] | None = None,
           dtype: torch.dtype | None = None, device: torch.device | str | None = None,
           planner: str = "auto", autotune: bool = False,
-          max_elements: int = DEFAULT_MAX_ELEMENTS, **sizes: Any) -> "Layer":
+          max_elements: int = DEFAULT_MAX_ELEMENTS, sizes: Mapping[str, int] | None = None,
+          **more_sizes: int) -> "Layer":
     """An initialized ``nn.Module`` for ``text`` (an expression, or a ``.tn`` file's text with
-    ``name`` picking the layer). Keyword sizes override the spec's parameters; these override
+    ``name`` picking the layer). ``sizes`` (a mapping, for index names that are keywords here)
+    and keyword sizes bind or override the spec's sizes; these override
     its options: ``init`` (graph-in, graph-out, graph-avg, kaiming-in, kaiming-out, xavier,
     orthogonal, naive), ``activation`` (a name, ``"leaky_relu(0.1)"``, or the scale p_a),
     ``bias``, ``distribution`` (normal, uniform), ``stride_count`` ("exact": graph-out counts
@@ -130,7 +146,7 @@ def layer(text: str, *, name: str | None = None, init: str | None = None,
     >>> m(torch.ones(2, 4)).shape
     torch.Size([2, 3])
     """
-    net = compile(text, name=name, max_elements=max_elements, **sizes)
+    net = compile(text, name=name, max_elements=max_elements, sizes=sizes, **more_sizes)
     weights = tuple((str(k), float(v)) for k, v in init_weights.items()) if init_weights \
         else None
     net = _with_options(net, init=init, activation=activation, bias=bias,

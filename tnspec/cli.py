@@ -143,7 +143,7 @@ def _compile(args: argparse.Namespace) -> int:
     try:
         text = _read(args.file)
         source = generate(text, names=args.layer, shape=args.shape, init=args.init,
-                          source=args.file, **args.set)
+                          source=args.file, sizes=args.set)
     except SpecError as exc:
         return _report(exc, args.file)
     return _emit(args.output, source)
@@ -166,7 +166,7 @@ def _draw(args: argparse.Namespace) -> int:
         if args.output != "-" and Path(args.output).suffix not in (".dot", ".gv", ".svg"):
             raise SpecError(f"cannot tell the format of {args.output!r}",
                             hint="end the output name in .dot or .svg")
-        dot = to_dot(compile(_read(args.file), name=args.layer, **args.set))
+        dot = to_dot(compile(_read(args.file), name=args.layer, sizes=args.set))
         text = to_svg(dot) if args.output.endswith(".svg") else dot
     except SpecError as exc:
         return _report(exc, args.file)

@@ -161,7 +161,7 @@ def _replacement(module: nn.Module, format: str, rank: int | float, init: str,
                             padding=padding, dilation=tuple(module.dilation),
                             groups=module.groups, **options)
         cls = TensorizedConv
-    net = _with_options(compile(fmt.spec, **fmt.sizes), init=init, activation=activation,
+    net = _with_options(compile(fmt.spec, sizes=fmt.sizes), init=init, activation=activation,
                         bias=module.bias is not None)
     return cls(net, dtype=weight.dtype, device=weight.device)
 

@@ -2,7 +2,7 @@
 generator (Pan et al. 2022, appendix "Random Generator").
 
 Every function returns a :class:`Format`, a ``(spec, sizes)`` pair; ``fmt.layer(**options)``
-(or ``tnspec.layer(fmt.spec, **fmt.sizes)``) builds the module::
+(or ``tnspec.layer(fmt.spec, sizes=fmt.sizes)``) builds the module::
 
     >>> fmt = tucker2(64, 64, 3, rank=16, padding=1)
     >>> fmt.spec
@@ -39,9 +39,9 @@ class Format(NamedTuple):
     sizes: dict[str, int]
 
     def layer(self, **options: Any) -> "Layer":
-        """``tnspec.layer(spec, **sizes, **options)``: the initialized module."""
+        """``tnspec.layer(spec, sizes=sizes, **options)``: the initialized module."""
         from .api import layer
-        return layer(self.spec, **{**self.sizes, **options})
+        return layer(self.spec, sizes=self.sizes, **options)
 
 
 class _Parts(NamedTuple):
@@ -265,7 +265,7 @@ def _fit(make: Callable[[int], Format], budget: float) -> Format:
 
     def params(r: int) -> int:
         fmt = make(r)
-        return compile(fmt.spec, **fmt.sizes).num_parameters
+        return compile(fmt.spec, sizes=fmt.sizes).num_parameters
 
     if params(1) > budget:
         raise SpecError(f"even rank 1 has {params(1)} parameters, over the budget of "
