@@ -43,8 +43,8 @@ class Backbone:
     def table(self) -> str:
         """E as a small table, then the hyperedges and S."""
         names = list(self.vertices)
-        width = max(6, *(len(n) + 1 for n in names), *(len(f"{e:,}") + 1 for row in self.edges
-                                                      for e in row))
+        cells = [f"{e:,}" for row in self.edges for e in row]
+        width = max(6, *(len(n) + 1 for n in names), *(len(c) + 1 for c in cells))
         lines = [" " * width + "".join(f"{n:>{width}}" for n in names)]
         for name, row in zip(names, self.edges):
             lines.append(f"{name:>{width}}" + "".join(f"{e:>{width},}" for e in row))
@@ -116,7 +116,8 @@ def explain(net: Network, init: str | None = None, shape: Sequence[int] | None =
     act = net.options.activation
     for mode in ("in", "out"):
         bb = backbone(net, mode, net.options.stride_count == "exact")
-        title = "forward network" if mode == "in" else "backward network, by the reproducing transform"
+        title = "forward network" if mode == "in" else \
+            "backward network, by the reproducing transform"
         out += ["", f"backbone graph, graph-{mode} ({title}):"]
         out += ["  " + line for line in bb.table().splitlines()]
     n = len(net.cores)

@@ -156,13 +156,14 @@ class _Lowering:
         if any(len(a) > 1 for a in t.axes):
             var = self.emit(self.name("tensor:split", data + "_split"), "reshape", var,
                             tuple(self.dim(i) for i in layout),
-                            comment="split " + ", ".join(_axis_text(a) for a in t.axes
-                                                          if len(a) > 1))
+                            comment="split " + ", ".join(
+                                _axis_text(a) for a in t.axes if len(a) > 1))
         for c in net.convs:
             if c.input_dilation > 1:
                 axis = layout.index(c.source)
                 var = self.emit(self.name("tensor:dilated", "dilated"), "dilate", var, axis,
-                                c.input_dilation, comment=f"spread {c.source} by {c.input_dilation}")
+                                c.input_dilation,
+                                comment=f"spread {c.source} by {c.input_dilation}")
                 n = self.dim(c.source)
                 self.spread[c.source] = self.emit(self.name("size:spread:" + c.source,
                                                             f"{n}_spread"),

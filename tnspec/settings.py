@@ -23,7 +23,8 @@ _OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul, "//": operator.
 
 
 def positive_int(value: Any) -> int | None:
-    """``value`` as an int if it is a positive integer (numpy integers too, bools not), else None."""
+    """``value`` as an int if it is a positive integer (numpy integers too, bools not);
+    else None."""
     if isinstance(value, bool):
         return None
     try:
