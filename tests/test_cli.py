@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+from xml.etree import ElementTree
 
 import pytest
 
+import tnspec
 from tnspec import __version__
 from tnspec.cli import main
 
@@ -118,6 +121,19 @@ def test_draw_svg_goes_through_graphviz(tmp_path, monkeypatch, capsys):
     assert main(["draw", str(ROOT / "examples" / "cp.tn"), "-o", str(missing)]) == 2
     assert "needs Graphviz's `dot` program" in capsys.readouterr().err
     assert not missing.exists()
+
+
+@pytest.mark.skipif(shutil.which("dot") is None, reason="Graphviz's dot is not installed")
+@pytest.mark.parametrize("path", EXAMPLES, ids=[p.stem for p in EXAMPLES])
+def test_draw_svg_with_real_graphviz(path, tmp_path):
+    for net in tnspec.compile_all(path.read_text()):
+        out = tmp_path / f"{net.name}.svg"
+        assert main(["draw", str(path), "--layer", net.name, "-o", str(out)]) == 0
+        svg = ElementTree.parse(out).getroot()  # well-formed XML
+        assert svg.tag == "{http://www.w3.org/2000/svg}svg"
+        texts = {t.text for t in svg.iter("{http://www.w3.org/2000/svg}text")}
+        for core in net.cores:
+            assert any(t and t.startswith(core.name + "[") for t in texts), core.name
 
 
 def test_draw_refuses_an_unknown_suffix_and_bad_specs(tmp_path, capsys):
