@@ -70,14 +70,19 @@ def test_torch_compile_fullgraph_equals_eager():
     assert torch.allclose(compiled(x), a(x), rtol=1e-5, atol=1e-5)
 
 
-def test_torch_compile_recompiles_for_a_new_batch_size_with_inductor():
-    """The common case, a smaller last batch: dynamo retraces with a symbolic batch size."""
+def test_torch_compile_with_inductor_for_new_batch_and_spatial_sizes():
+    """The common case, a smaller last batch: dynamo retraces with a symbolic batch size. A new
+    spatial size with dynamic=False (what the README advises for Inductor) compiles anew."""
     torch._dynamo.reset()
     a = make()
     compiled = torch.compile(a, fullgraph=True)
     for batch in (4, 3, 2):
         x = torch.randn(batch, 64, 8, 8)
         assert torch.allclose(compiled(x), a(x), rtol=1e-4, atol=1e-5)
+    static = torch.compile(a, fullgraph=True, dynamic=False)
+    for shape in ((2, 64, 8, 8), (2, 64, 12, 10)):
+        x = torch.randn(shape)
+        assert torch.allclose(static(x), a(x), rtol=1e-4, atol=1e-5)
 
 
 def test_torch_compile_with_dynamic_shapes():
