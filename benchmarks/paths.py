@@ -19,7 +19,7 @@ from pathlib import Path
 
 import tnspec
 from tnspec.formats import random as random_format
-from tnspec.lower import bind_shape
+from tnspec.shapes import bind_shape
 from tnspec.plan import Problem, plan
 
 HERE = Path(__file__).resolve().parent

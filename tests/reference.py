@@ -48,7 +48,8 @@ def dense_forward(net: Network, x: torch.Tensor, cores: dict[str, torch.Tensor],
         if out_sizes and c.target in out_sizes:
             sizes[c.target] = out_sizes[c.target]
         else:
-            sizes[c.target] = c.out_size(n_in, k)
+            n = (n_in - 1) * c.input_dilation + 1  # PyTorch's formula, written out again here
+            sizes[c.target] = (n + 2 * c.padding - c.dilation * (k - 1) - 1) // c.stride + 1
     names = list(dict.fromkeys([*net.input.indices, *(i for c in net.cores for i in c.indices),
                                 *net.output.indices, *(c.source for c in net.convs)]))
     kernel_less = {}

@@ -7,9 +7,6 @@ import torch
 
 import tnspec
 from tnspec.api import example_shape
-from tnspec.lower import bind_shape, lower
-from tnspec.runtime import run
-from tnspec.plan import plan
 
 from .conftest import EXAMPLES
 from .reference import dense_forward
@@ -20,10 +17,8 @@ pytestmark = pytest.mark.usefixtures("float64")  # exact comparisons, 1e-10
 
 def backward_dx(module: tnspec.Layer, x_shape, dy: torch.Tensor) -> torch.Tensor:
     """Execute the backward network with the forward cores (flipped as G_bt says)."""
-    bwd = module.network.backward(x_shape)
-    program = lower(plan(bind_shape(bwd, tuple(dy.shape))))
-    params = {c.name: getattr(module, c.name) for c in module.network.cores}
-    return run(program, dy, params, bwd.sizes)
+    bwd = tnspec.backward(module.network, x_shape)
+    return tnspec.contract(bwd, dy, cores={c.name: getattr(module, c.name) for c in bwd.cores})
 
 
 def check_against_autograd(module: tnspec.Layer, x: torch.Tensor) -> None:
@@ -62,7 +57,7 @@ def test_subsampling_backward_crops_and_spreads():
 
 def test_backward_structure_is_the_papers_transformation():
     net = tnspec.compile("x[b, c, 2*h+2*kh-1], W[c, o, kh] -> y[b, o, h]", c=2, o=3, kh=3)
-    bwd = net.backward()
+    bwd = tnspec.backward(net)
     (conv,) = bwd.convs
     # dy spread by the stride (T), kernel reversed (R), padding d(K-1) - p, stride 1
     assert (conv.source, conv.target, conv.kernel) == ("h", "2*h+2*kh-1", "kh")
@@ -81,7 +76,7 @@ def test_dense_reference_of_the_backward_network_agrees():
     y = module(x)
     dy = torch.randn_like(y)
     (want,) = torch.autograd.grad(y, x, dy)
-    bwd = module.network.backward(x.shape)
+    bwd = tnspec.backward(module.network, x.shape)
     cores = {c.name: getattr(module, c.name) for c in module.network.cores}
     got = dense_forward(bwd, dy, cores, out_sizes=dict(bwd.sizes))
     assert torch.allclose(got, want, rtol=1e-10, atol=1e-12)

@@ -10,6 +10,7 @@ import torch
 import tnspec
 from tnspec import Role, SpecError
 from tnspec.check import RESERVED_NAMES
+from tnspec.shapes import conv_out
 
 HTK2 = ("x[b, c, h+kh-1, w+kw-1], U[c, r0, phi], G[r0, r1, kh, kw, phi], V[r1, o, phi]"
         " -> y[b, o, h, w]")
@@ -70,7 +71,8 @@ def test_subsampling_without_kernel_and_parallel_index():
 def test_pytorch_output_size_formula():
     net = tnspec.compile("x[b, 2*h+2*kh-3], W[kh] -> y[b, h]", kh=3)
     # floor((in + 2p - d(K-1) - 1)/s) + 1 with s=2, d=2, p=3, K=3
-    assert net.convs[0].out_size(32, 3) == (32 + 6 - 4 - 1) // 2 + 1
+    c = net.convs[0]
+    assert conv_out(32, 3, c.stride, c.dilation, c.padding) == (32 + 6 - 4 - 1) // 2 + 1
 
 
 def test_file_sizes_defaults_overrides_and_derived():

@@ -79,7 +79,7 @@ def test_explain_shows_backbones_formula_std_compression_and_plan(capsys):
 
 def test_explain_errors(capsys):
     assert main(["explain", str(ROOT / "examples" / "htk2.tn"), "--init", "nope"]) == 2
-    assert "unknown init 'nope'" in capsys.readouterr().err
+    assert "invalid init: 'nope'" in capsys.readouterr().err
     assert main(["explain", str(ROOT / "examples" / "depthwise_separable.tn")]) == 2
     assert "say which one" in capsys.readouterr().err
 

@@ -65,13 +65,13 @@ def test_odd_gives_the_ninth_root_formula():
 
 def test_htk2_backbone_is_figure_5():
     net = tnspec.compile((EX / "htk2.tn").read_text())
-    bb = net.backbone("in")
+    bb = tnspec.backbone(net, "in")
     assert bb.vertices == ("x", "U", "G", "V")
     E = {(bb.vertices[i], bb.vertices[j]): e for i, row in enumerate(bb.edges)
          for j, e in enumerate(row) if i < j and e != 1}
     assert E == {("x", "U"): 64, ("x", "G"): 9, ("U", "G"): 10, ("G", "V"): 10}
     assert bb.hyperedges == (("phi", ("U", "G", "V")),)
-    out = net.backbone("out")
+    out = tnspec.backbone(net, "out")
     E = {(out.vertices[i], out.vertices[j]): e for i, row in enumerate(out.edges)
          for j, e in enumerate(row) if i < j and e != 1}
     assert E == {("dy", "V"): 64, ("dy", "G"): 9, ("U", "G"): 10, ("G", "V"): 10}
@@ -81,7 +81,7 @@ def test_htk2_backbone_is_figure_5():
 @pytest.mark.parametrize("mode", ["in", "out"])
 def test_S_is_the_upper_triangle_times_the_hyperedges(path, mode):
     for net in tnspec.compile_all(path.read_text()):
-        bb = net.backbone(mode)
+        bb = tnspec.backbone(net, mode)
         n = len(bb.vertices)
         assert all(bb.edges[i][j] == bb.edges[j][i] for i in range(n) for j in range(n))
         assert all(bb.edges[i][i] == 1 for i in range(n))
@@ -93,7 +93,7 @@ def test_S_is_the_upper_triangle_times_the_hyperedges(path, mode):
 
 def test_graph_avg_is_the_harmonic_form_and_weights_keep_the_product():
     net = tnspec.compile((EX / "htk2.tn").read_text(), o=32)
-    s_in, s_out = net.backbone("in").S, net.backbone("out").S
+    s_in, s_out = tnspec.backbone(net, "in").S, tnspec.backbone(net, "out").S
     total = math.prod(var(net, "graph-avg", c) for c in ("U", "G", "V"))
     assert math.isclose(total, 2 / (0.5 * (s_in + s_out)), rel_tol=1e-12)
     layer = tnspec.layer((EX / "htk2.tn").read_text(), init_weights={"U": 1, "G": 2, "V": 1})
@@ -110,7 +110,7 @@ def test_exact_stride_counts_k_over_s():
     assert math.isclose(var(paper, "graph-out"), 1 / (0.5 * 3 * 6), rel_tol=1e-12)
     exact = tnspec.layer(text, c=4, o=6, kh=3, stride_count="exact").network
     assert math.isclose(var(exact, "graph-out"), 1 / (0.5 * 1.5 * 6), rel_tol=1e-12)
-    assert exact.backbone("out", exact_stride=True).S == 1.5 * 6
+    assert tnspec.backbone(exact, "out", exact_stride=True).S == 1.5 * 6
 
 
 def test_per_core_baselines_use_torchs_fan_rule():

@@ -5,24 +5,29 @@
     >>> net.summary()
     '1 core, 96 parameters (dense 96, 1.0x fewer), 1-D conv'
 
-Stages, one module each: parse (text -> AST), check (AST -> ir.Network), ir (the data model),
-init (how cores are drawn), plan (contraction order), lower (statements, and their
-interpreter), codegen (Python source), api (entry points) and cli (the ``tnspec`` command);
-around them: formats (named formats as spec text), convert (``tensorize`` an existing model)
-and draw (the hypergraph as Graphviz DOT).
+Stages, one module each, importing only the stages above them: parse (text -> AST), check
+(AST -> ir.Network, with settings), ir (the data model), shapes (sizes and shape binding),
+backward (the reproducing transformation), analysis (backbone graphs), init (how cores are
+drawn), plan (contraction order, each step's op and axis split), lower (typed program), codegen
+(Python source), runtime (executes generated source: the one executor), report (``explain``),
+api (entry points) and cli (the ``tnspec`` command); around them: formats (named formats as spec
+text), convert (``tensorize`` an existing model) and draw (the hypergraph as Graphviz DOT).
 """
 
-__version__ = "0.1.0"  # first: codegen stamps it into generated modules
-
 from . import formats
-from .api import Layer, compile, compile_all, layer
+from ._version import __version__
+from .analysis import Backbone, backbone
+from .api import Layer, compile, compile_all, contract, generate, layer
+from .backward import backward
+from .convert import tensorize
 from .errors import SpecError
 from .ir import Conv, Index, Network, Options, Role, Tensor
-from .convert import tensorize
+from .plan import Plan
+from .report import explain
 
 
 __all__ = [
-    "Conv", "Index", "Layer", "Network", "Options", "Role", "SpecError", "Tensor",
-    "__version__", "compile", "compile_all", "formats", "layer",
-    "tensorize",
+    "Backbone", "Conv", "Index", "Layer", "Network", "Options", "Plan", "Role", "SpecError",
+    "Tensor", "__version__", "backbone", "backward", "compile", "compile_all", "contract",
+    "explain", "formats", "generate", "layer", "tensorize",
 ]

@@ -1,26 +1,35 @@
-"""The public entry points: ``tnspec.compile`` (text -> Network) and ``tnspec.layer`` (text ->
-an initialized ``torch.nn.Module``), and the module class itself."""
+"""The public entry points: ``tnspec.compile`` (text -> Network), ``tnspec.layer`` (text -> an
+initialized ``torch.nn.Module``), ``tnspec.contract`` (its functional form), ``tnspec.generate``
+(the source ``tnspec compile`` writes), and the module class itself.
+
+A :class:`Layer` runs generated code: for each input shape it plans, lowers and prints the
+module's source (``codegen``) and executes that source's ``forward`` (``runtime``), so the inline
+layer and the file ``tnspec compile`` writes are the same code by construction.
+"""
 
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from dataclasses import replace
+from types import SimpleNamespace
 from typing import Any, Mapping, Sequence
 
 import torch
 from torch import nn
 
-from . import codegen
-from . import init as initializers
-from .check import DEFAULT_MAX_ELEMENTS, check, select_layer
+from . import codegen, runtime
+from .check import check, select_layer
+from .codegen import LayerCode, summary_line
 from .errors import SpecError
-from .ir import DISTRIBUTIONS, INITS, STRIDE_COUNTS, Network
-from .lower import Program, bias_shape, bind_shape, lower
-from .runtime import run
+from .ir import DEFAULT_MAX_ELEMENTS, Network
+from .lower import Program, bias_shape, lower
 from .parse import parse
 from .plan import Plan, plan
-from .settings import activation_from_python
-from .codegen import summary_line
+from .settings import option_value
+from .shapes import bind_shape, example_shape
+
+__all__ = ["Layer", "compile", "compile_all", "contract", "example_shape", "generate", "layer"]
 
 
 def compile(text: str, /, *, name: str | None = None,
@@ -81,46 +90,21 @@ def generate(text: str, /, *, names: Sequence[str] | None = None,
         net = _with_options(check(doc, layer=name, sizes=own), init=init)
         bound = bind_shape(net, example_shape(net, shape or {}))
         the_plan = plan(bound, planner)
-        programs.append((lower(the_plan), summary_line(the_plan)))
+        programs.append(LayerCode(net, lower(the_plan), summary_line(the_plan)))
     if unused:
         raise SpecError(f"no layer has a parameter named {sorted(unused)[0]!r}",
                         hint="--set names a size parameter of a layer")
     return codegen.generate(programs, source)
 
 
-def example_shape(net: Network, given: Mapping[str, int], default: int = 32) -> tuple[int, ...]:
-    """An input shape for planning: static axes from the sizes, the others from ``given``
-    (spatial axes by their output index or their affine text), else ``default``."""
-    sizes = net.sizes
-    known = set(sizes) | {c.source for c in net.convs} | {c.target for c in net.convs} | \
-        set(net.input.indices)
-    for key in given:
-        if key not in known:
-            raise SpecError(f"--shape names {key!r}, which is not an index of the input",
-                            hint="name batch indices and spatial output indices, e.g. b=32,h=32")
-    by_source = {c.source: c.target for c in net.convs}
-    dims = []
-    for axis in net.input.axes:
-        n = 1
-        for i in axis:
-            n *= sizes.get(i) or given.get(i) or given.get(by_source.get(i, i)) or default
-        dims.append(n)
-    return tuple(dims)
-
-
 def _with_options(net: Network, **overrides: Any) -> Network:
     """``net`` with some options replaced (None leaves an option as the spec says)."""
-    values = {k: v for k, v in overrides.items() if v is not None}
-    for key, choices in (("init", INITS), ("distribution", DISTRIBUTIONS),
-                         ("stride_count", STRIDE_COUNTS)):
-        if key in values and values[key] not in choices:
-            raise SpecError(f"unknown {key} {values[key]!r}",
-                            hint=f"choose one of {', '.join(choices)}")
+    values = {k: option_value(k, v) for k, v in overrides.items()
+              if v is not None and k != "init_weights"}
     if "activation" in values:
-        values["activation"], values["activation_param"] = \
-            activation_from_python(values["activation"])
-    if "bias" in values:
-        values["bias"] = bool(values["bias"])
+        values["activation"], values["activation_param"] = values["activation"]
+    if overrides.get("init_weights") is not None:
+        values["init_weights"] = overrides["init_weights"]
     return replace(net, options=replace(net.options, **values)) if values else net
 
 
@@ -160,8 +144,12 @@ class Layer(nn.Module):
     """A tensor-network layer: one ``nn.Parameter`` per core, named as in the spec.
 
     Attributes: ``spec`` (the canonical expression), ``sizes`` (every bound index size),
-    ``network`` (the IR). The contraction order is planned per input shape and cached.
+    ``network`` (the IR). ``forward`` runs the generated code of the plan for the input's shape
+    (planned once per shape; the last ``plan_cache_size`` shapes are kept);
+    :meth:`source` shows that code.
     """
+
+    plan_cache_size = 64
 
     def __init__(self, network: Network, *, dtype: torch.dtype | None = None,
                  device: torch.device | str | None = None, planner: str = "auto",
@@ -182,17 +170,33 @@ class Layer(nn.Module):
             self.bias = nn.Parameter(torch.zeros(shape, dtype=dtype, device=device))
         else:
             self.register_parameter("bias", None)
-        self._programs: dict[tuple[int, ...], Program] = {}
-        self._last_shape: tuple[int, ...] | None = None
+        self._drop_code()
         self.reset_parameters()
 
+    def _drop_code(self) -> None:
+        """Forget the loaded code, and load it for the example shape (the default sizes,
+        32 for the others), so that a layer compiled before any eager call has code to run."""
+        self._classes: OrderedDict[tuple[int, ...], type] = OrderedDict()
+        self._last_class: type | None = None
+        self._last_shape: torch.Size | None = None
+        try:  # planned, not autotuned; errors are the forward's to raise, for its input
+            self._last_class = self._planned(example_shape(self.network, {}))
+        except (SpecError, ValueError):
+            pass
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()  # generated classes are rebuilt, not pickled
+        del state["_classes"], state["_last_class"], state["_last_shape"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self._drop_code()
+
     def reset_parameters(self) -> None:
-        """Draw every core for the layer's init (respects ``torch.manual_seed``); zero the bias."""
-        params = {c.name: getattr(self, c.name) for c in self.network.cores}
-        initializers.apply(initializers.core_inits(self.network), params, self.sizes)
-        if self.bias is not None:
-            with torch.no_grad():
-                self.bias.zero_()
+        """Draw every core for the layer's init (respects ``torch.manual_seed``); zero the bias.
+        Runs the generated ``reset_parameters``."""
+        runtime.layer_class(self.network, None).reset_parameters(self)
 
     def plan(self, shape: Sequence[int]) -> Plan:
         """The contraction plan for an input of ``shape`` (print ``.report()`` to see it)."""
@@ -200,51 +204,83 @@ class Layer(nn.Module):
                     max_elements=self.max_elements)
 
     def program(self, shape: Sequence[int]) -> Program:
-        """The lowered statements for an input of ``shape`` (planned once, then cached)."""
-        key = tuple(int(n) for n in shape)
-        if key not in self._programs:
-            self._programs[key] = self._fastest(key) if self.autotune else lower(self.plan(key))
-        return self._programs[key]
+        """The lowered program for an input of ``shape``."""
+        return lower(self.plan(shape))
 
-    def _fastest(self, shape: tuple[int, ...], repeats: int = 3) -> Program:
-        """Time every distinct candidate order (forward and backward) and keep the fastest."""
+    def source(self, shape: Sequence[int]) -> str:
+        """The generated module whose ``forward`` this layer runs for an input of ``shape``:
+        the text ``tnspec compile`` writes for that plan."""
+        return runtime.source_of(self._class(tuple(int(n) for n in shape)).forward)
+
+    def _class(self, shape: tuple[int, ...]) -> type:
+        """The generated class for ``shape`` (planned once, then cached)."""
+        classes = self._classes
+        if shape in classes:
+            classes.move_to_end(shape)
+            return classes[shape]
+        cls = self._fastest(shape) if self.autotune else self._planned(shape)
+        classes[shape] = cls
+        while len(classes) > self.plan_cache_size:
+            classes.popitem(last=False)
+        return cls
+
+    def _planned(self, shape: tuple[int, ...]) -> type:
+        the_plan = self.plan(shape)
+        return runtime.layer_class(self.network, lower(the_plan), summary_line(the_plan))
+
+    def _fastest(self, shape: tuple[int, ...], repeats: int = 3) -> type:
+        """Time every distinct candidate order (forward and backward) and keep the fastest.
+        Uses its own random generator and gradients, so that the global RNG, ``no_grad``,
+        ``inference_mode`` and frozen cores are left as they are."""
         bound = bind_shape(self.network, shape)
-        programs: dict[tuple, Program] = {}
+        candidates: dict[tuple, type] = {}
         for name in ("auto", "greedy", "dense-first", "left-to-right"):
             try:
                 candidate = plan(bound, name, max_elements=self.max_elements)
             except (SpecError, ValueError):
                 continue
-            key = tuple((s.left.indices, s.right.indices, s.impl) for s in candidate.steps)
-            programs.setdefault(key, lower(candidate))
+            key = tuple((s.left.indices, s.right.indices, s.op) for s in candidate.steps)
+            if key not in candidates:
+                candidates[key] = runtime.layer_class(self.network, lower(candidate),
+                                                      summary_line(candidate))
         first = next(iter(self.parameters()))
-        x = torch.randn(shape, dtype=first.dtype, device=first.device, requires_grad=True)
-        params = {c.name: getattr(self, c.name) for c in self.network.cores}
-        inputs = [x, *params.values()]
-        best: tuple[float, Program] | None = None
-        for program in programs.values():
-            times = []
-            for _ in range(repeats + 1):
-                start = time.perf_counter()
-                y = run(program, x, params, self.sizes, self.bias)
-                torch.autograd.grad(y, inputs, torch.ones_like(y))
-                if x.is_cuda:
-                    torch.cuda.synchronize()
-                times.append(time.perf_counter() - start)
-            seconds = sorted(times[1:])[len(times[1:]) // 2]
-            if best is None or seconds < best[0]:
-                best = (seconds, program)
+        gen = torch.Generator(device=first.device).manual_seed(0)
+        best: tuple[float, type] | None = None
+        with torch.inference_mode(False), torch.enable_grad():
+            x = torch.randn(shape, dtype=first.dtype, device=first.device, generator=gen,
+                            requires_grad=True)
+            inputs = [x] + [p for p in self.parameters() if p.requires_grad]
+            for cls in candidates.values():
+                times = []
+                for _ in range(repeats + 1):
+                    start = time.perf_counter()
+                    y = cls.forward(self, x)
+                    torch.autograd.grad(y, inputs, torch.ones_like(y))
+                    if x.is_cuda:
+                        torch.cuda.synchronize()
+                    times.append(time.perf_counter() - start)
+                seconds = sorted(times[1:])[len(times[1:]) // 2]
+                if best is None or seconds < best[0]:
+                    best = (seconds, cls)
         assert best is not None, "the auto planner always gives a candidate"
         return best[1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        params = {c.name: getattr(self, c.name) for c in self.network.cores}
-        if torch.compiler.is_compiling():
-            program = _traced_program(self)
+        if _is_compiling():
+            # planning is plain Python that dynamo should not trace: a compiled layer runs the
+            # code planned for the last shape seen eagerly, or at construction for the example
+            # shape (any plan computes any shape)
+            cls = self._last_class
+            if cls is None:
+                raise SpecError("this layer has no plan to compile: call it once eagerly "
+                                "(its example shape cannot be planned)")
+        elif x.shape == self._last_shape:  # the hot path: the same shape again
+            cls = self._last_class
         else:
-            self._last_shape = tuple(x.shape)
-            program = self.program(self._last_shape)
-        return run(program, x, params, self.sizes, self.bias)
+            cls = self._class(tuple(x.shape))  # also keeps the cache's order LRU
+            # not through nn.Module.__setattr__, which is slow
+            self.__dict__.update(_last_class=cls, _last_shape=x.shape)
+        return cls.forward(self, x)
 
     def extra_repr(self) -> str:
         opts = self.network.options
@@ -252,11 +288,65 @@ class Layer(nn.Module):
         return f"{self.spec!r}, {sizes}, init={opts.init!r}, activation={opts.activation!r}"
 
 
-@torch._dynamo.assume_constant_result
-def _traced_program(layer: Layer) -> Program:
-    """The Program a compiled layer runs: planned for the last input shape seen eagerly, else
-    for the default example shape. Every Program runs any input shape, and the input's shape may
-    be symbolic while tracing (dynamic shapes), so it is not part of the key. Planning is plain
-    Python that torch.compile should not trace: it runs once, at trace time, as a constant."""
-    shape = getattr(layer, "_last_shape", None) or example_shape(layer.network, {})
-    return layer.program(shape)
+_is_compiling = torch.compiler.is_compiling  # dynamo knows the function itself
+
+
+def contract(spec: str | Network, x: torch.Tensor, /, cores: Mapping[str, torch.Tensor] |
+             None = None, *, planner: str = "auto", sizes: Mapping[str, int] | None = None,
+             **more_sizes: int) -> torch.Tensor:
+    """Contract the network ``spec`` (an expression, or a :class:`Network` such as
+    ``tnspec.backward(layer.network, x.shape)``) with the data ``x`` and the given ``cores``
+    (core name -> tensor): the functional form of :func:`layer`, as ``F.conv2d`` is to
+    ``nn.Conv2d``. Planned, lowered and run as a layer's forward is. A ``"bias"`` entry is
+    added as the layer adds its bias (and ignored by networks without one, such as backward
+    networks), so ``cores=dict(layer.named_parameters())`` works. Core sizes are read from the
+    tensors unless given.
+
+    >>> W = torch.ones(4, 3)
+    >>> contract("x[b, i], W[i, o] -> y[b, o]", torch.ones(2, 4), {"W": W}).tolist()
+    [[4.0, 4.0, 4.0], [4.0, 4.0, 4.0]]
+    """
+    cores = dict(cores or {})
+    bias = cores.pop("bias", None)
+    if isinstance(spec, Network):
+        net = spec
+    else:
+        given = _merge(sizes, more_sizes)
+        net = compile(spec, sizes={**_sizes_from_cores(spec, cores, given), **given})
+    missing = [c.name for c in net.cores if c.name not in cores]
+    extra = sorted(set(cores) - {c.name for c in net.cores})
+    if missing or extra:
+        raise SpecError(f"cores= lacks {missing[0]!r}" if missing else
+                        f"cores= has {extra[0]!r}, which is not a core of the network",
+                        hint=f"give one tensor per core: {', '.join(c.name for c in net.cores)}")
+    for core in net.cores:
+        want = tuple(net.sizes[i] for i in core.indices)
+        if tuple(cores[core.name].shape) != want:
+            raise SpecError(f"core {core.name!r} has shape {list(cores[core.name].shape)}, but "
+                            f"{core.name}[{', '.join(core.indices)}] is {list(want)}")
+    the_plan = plan(bind_shape(net, tuple(x.shape)), planner)
+    cls = runtime.layer_class(net, lower(the_plan), summary_line(the_plan))
+    if bias is not None and not (net.options.bias and bias_shape(net)):
+        bias = None  # e.g. a layer's bias, given with its cores to its backward network
+    module = SimpleNamespace(sizes=net.sizes, bias=bias, **cores)
+    return cls.forward(module, x)
+
+
+def _sizes_from_cores(text: str, cores: Mapping[str, Any], given: Mapping[str, int]
+                      ) -> dict[str, int]:
+    """Sizes of core indices read off the core tensors' shapes (for an inline expression)."""
+    doc = parse(text)
+    if doc.is_file or len(doc.layers) != 1 or len(doc.layers[0].networks) != 1:
+        return {}
+    found: dict[str, int] = {}
+    for op in doc.layers[0].networks[0].operands[1:]:
+        tensor = cores.get(op.name)
+        if tensor is None or len(tensor.shape) != len(op.indices):
+            continue
+        for ix, n in zip(op.indices, tensor.shape):
+            if ix.kind == "name" and ix.names[0] not in given:
+                if found.setdefault(ix.names[0], int(n)) != int(n):
+                    raise SpecError(f"index {ix.names[0]!r} has size {found[ix.names[0]]} in "
+                                    f"one core and {int(n)} in {op.name!r}", span=ix.span,
+                                    source=text)
+    return found

@@ -12,11 +12,9 @@ from dataclasses import replace
 from typing import Any, Mapping
 
 from .errors import Span, SpecError
-from .ir import Conv, Index, Network, Options, Role, Tensor, assign_roles
+from .ir import DEFAULT_MAX_ELEMENTS, Conv, Index, Network, Options, Role, Tensor, assign_roles
 from .parse import Document, IndexNode, LayerNode, NetworkNode, OperandNode, SizeExpr
 from .settings import SizeBinder, read_options
-
-DEFAULT_MAX_ELEMENTS = 2**31
 
 #: attributes of torch.nn.Module (torch 2.x) and of tnspec modules; a core named like one of
 #: these could not be registered under its own name (tests keep this in step with torch)
@@ -31,6 +29,7 @@ RESERVED_NAMES = frozenset("""
     register_state_dict_post_hook register_state_dict_pre_hook requires_grad_ set_extra_state
     set_submodule share_memory state_dict to to_empty train training type xpu zero_grad
     bias spec sizes network plan program planner autotune max_elements reset_parameters self
+    source plan_cache_size
     torch
 """.split())
 

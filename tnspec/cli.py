@@ -13,11 +13,13 @@ import tempfile
 from pathlib import Path
 from typing import Callable, Sequence
 
-from . import __version__
-from .api import compile, compile_all, example_shape, generate
+from ._version import __version__
+from .api import compile, compile_all, generate
+from .report import explain
+from .shapes import example_shape
 from .draw import to_dot, to_svg
 from .errors import SpecError
-from .ir import INITS
+from .settings import option_value
 
 EXIT_OK, EXIT_FAILURE, EXIT_SPEC = 0, 1, 2
 
@@ -152,10 +154,9 @@ def _compile(args: argparse.Namespace) -> int:
 def _explain(args: argparse.Namespace) -> int:
     try:
         net = compile(_read(args.file), name=args.layer)
-        if args.init is not None and args.init not in INITS:
-            raise SpecError(f"unknown init {args.init!r}",
-                            hint=f"choose one of {', '.join(INITS)}")
-        print(net.explain(args.init, example_shape(net, args.shape)))
+        if args.init is not None:
+            option_value("init", args.init)
+        print(explain(net, args.init, example_shape(net, args.shape)))
     except SpecError as exc:
         return _report(exc, args.file)
     return EXIT_OK

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Mapping
 
 from .analysis import backbone
 from .ir import Network, Options, Role
@@ -126,23 +126,3 @@ def _per_core(name: str, shape: tuple[str, ...], init: str, p: float, method: st
     if init == "orthogonal":
         return CoreInit(name, "orthogonal", ((p, ()),), -0.5, "orthogonal, gain 1/sqrt(p_a)")
     raise ValueError(f"unknown init {init!r}")
-
-
-def apply(inits: Sequence[CoreInit], params: Mapping[str, Any], sizes: Mapping[str, int],
-          generator: Any = None) -> None:
-    """Draw every core in place (under ``torch.no_grad``)."""
-    import torch
-
-    with torch.no_grad():
-        for ci in inits:
-            w = params[ci.core]
-            std = ci.std(sizes)
-            if ci.method == "orthogonal" and w.dim() >= 2:
-                torch.nn.init.orthogonal_(w, gain=std, generator=generator)
-            elif ci.method == "orthogonal":  # a vector: a random unit direction, times the gain
-                w.normal_(0, std / math.sqrt(w.numel()), generator=generator)
-            elif ci.method == "uniform":
-                bound = math.sqrt(3) * std
-                w.uniform_(-bound, bound, generator=generator)
-            else:
-                w.normal_(0, std, generator=generator)

@@ -24,8 +24,8 @@ A :class:`Network` is one *data tensor* flowing through *cores* into one *result
 - Roles are derived from which tensors carry an index (see :func:`assign_roles`); the same rule
   serves forward and backward networks, so nothing here assumes which tensor is "x".
 
-Nothing in this module imports torch. The methods ``backbone``, ``backward``, ``explain`` and
-``plan`` are conveniences that call the stage modules.
+Nothing in this module imports torch or a later stage: the stages are functions of a Network
+(``tnspec.backward``, ``tnspec.backbone``, ``tnspec.explain``, ``Layer.plan``).
 """
 
 from __future__ import annotations
@@ -33,11 +33,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 from enum import Enum
-from typing import TYPE_CHECKING, Iterable, Mapping, Sequence
+from typing import Iterable, Mapping
 
-if TYPE_CHECKING:
-    from .analysis import Backbone
-    from .plan import Plan
+#: the default limit on the elements of one core, and of one planned intermediate per sample
+DEFAULT_MAX_ELEMENTS = 2**31
 
 
 class Role(str, Enum):
@@ -76,11 +75,6 @@ class Conv:
     dilation: int = 1
     padding: int = 0
     input_dilation: int = 1
-
-    def out_size(self, source_size: int, kernel_size: int) -> int:
-        """Result size by the PyTorch formula (after spreading the data by input_dilation)."""
-        n = (source_size - 1) * self.input_dilation + 1
-        return (n + 2 * self.padding - self.dilation * (kernel_size - 1) - 1) // self.stride + 1
 
     @property
     def text(self) -> str:
@@ -203,28 +197,6 @@ class Network:
         if hyper:
             text += f", hyperedge{'s' * (len(hyper) > 1)} {', '.join(hyper)}"
         return text
-
-    def backbone(self, mode: str = "in", exact_stride: bool = False) -> "Backbone":
-        """The paper's backbone graph of this network ("in") or of its backward one ("out")."""
-        from .analysis import backbone
-        return backbone(self, mode, exact_stride)
-
-    def backward(self, data_shape: Sequence[int] | None = None) -> "Network":
-        """The backward network G_bt (reproducing transformation); ``data_shape`` pins dx's
-        spatial sizes to the forward data's."""
-        from .backward import backward
-        return backward(self, data_shape)
-
-    def explain(self, init: str | None = None, shape: Sequence[int] | None = None) -> str:
-        """Roles, backbones, variance formula, std per core, compression and plan, as text."""
-        from .analysis import explain
-        return explain(self, init, shape)
-
-    def plan(self, shape: Sequence[int], planner: str = "auto") -> "Plan":
-        """The contraction plan for a data tensor of ``shape`` (``print(plan.report())``)."""
-        from .lower import bind_shape
-        from .plan import plan
-        return plan(bind_shape(self, tuple(shape)), planner)
 
     def bind(self, sizes: Mapping[str, int]) -> "Network":
         """The same network with run-time sizes (batch, spatial) bound."""

@@ -1,368 +1,445 @@
-"""Stage 5, lower: Plan -> Program (plain statements), and the interpreter that runs a Program.
+"""Stage 5, lower: Plan -> Program (``program.py``), the typed nodes that ``codegen`` prints.
 
-A :class:`Program` is what ``forward`` does, one :class:`Stmt` per line of generated code:
-inline modules run it with :func:`run`; ``codegen`` prints it. Sizes are symbolic (variables
-named after their indices), so one Program serves every input shape and every constructor size;
-the plan's *order* was chosen for one shape.
+A Program is what ``forward`` does, one node per statement. Sizes are symbolic (named after
+their indices), so one Program serves every input shape and every constructor size; the plan's
+*order* was chosen for one shape.
 
-A conv step becomes one grouped ``F.conv1d/2d/3d``: indices of the data side only -> batch,
-shared and kept -> groups, shared and summed -> input channels, kernel side only -> output
-channels. Every other step is a pairwise ``torch.einsum``. No dummy tensor is materialized.
+The planner has decided each step's op and axis split; lowering only names variables, arranges
+operands into the layout the op wants (a permute where the order differs, a reshape where the
+shape does) and emits. Reshapes of reshapes collapse and unused nodes are dropped, so the code
+moves the data only where it must.
 """
 
 from __future__ import annotations
 
-import builtins
-import keyword
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import replace
 from typing import Any, Sequence
 
 from .ir import Network, Role
 from .plan import Plan, Step
-
-Dim = int | str  # a literal size, or the variable holding it
-
-
-@dataclass(frozen=True)
-class Stmt:
-    out: str
-    op: str
-    args: tuple[Any, ...]
-    comment: str = ""
-
-
-@dataclass(frozen=True)
-class Program:
-    network: Network
-    data: str                            # variable of the data input
-    params: tuple[tuple[str, str], ...]  # (variable, core name) for every core
-    sizes: tuple[tuple[str, str], ...]   # (variable, index name) for every static size used
-    stmts: tuple[Stmt, ...]
-    result: str
-
-
-_LETTERS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
-# names generated code uses, builtins, and the names pycodestyle calls ambiguous (E741)
-_TAKEN = {"self", "torch", "F", "nn", "math", "sizes", "l", "O", "I"} | set(dir(builtins))
-
-
-class Namer:
-    """Safe, unique Python identifiers for spec names (keywords and builtins get a suffix)."""
-
-    def __init__(self) -> None:
-        self.used: set[str] = set(_TAKEN)
-        self.names: dict[str, str] = {}
-
-    def __call__(self, key: str, base: str | None = None) -> str:
-        if key in self.names:
-            return self.names[key]
-        name = re.sub(r"\W", "_", base if base is not None else key) or "v"
-        if name[0].isdigit():
-            name = "v" + name
-        if keyword.iskeyword(name) or keyword.issoftkeyword(name) or name in self.used:
-            stem, n = name + "_", 2
-            name = stem
-            while name in self.used or keyword.iskeyword(name):
-                name, n = f"{stem}{n}", n + 1
-        self.used.add(name)
-        self.names[key] = name
-        return name
+from .program import (Arg, Bias, Call, CheckShape, Let, Namer, Node, Param, Program, Require,
+                      Unpack, Var)
+from .shapes import Size, axis_text, conv_out
 
 
 def lower(plan: Plan) -> Program:
-    """The statements that execute ``plan``'s order for any shape."""
+    """The nodes that execute ``plan``'s order for any shape."""
     return _Lowering(plan).program()
+
+
+Shape = list  # of Size, or -1 for "the rest"
 
 
 class _Lowering:
     def __init__(self, plan: Plan) -> None:
         self.plan, self.net = plan, plan.network
         self.name = Namer()
-        self.stmts: list[Stmt] = []
-        self.static: dict[str, str] = {}  # variable -> index name of core sizes used
-        self.layout: dict[str, tuple[str, ...]] = {}  # variable -> index names of its axes
-        self.var: dict[str, str] = {}  # operand name in the plan -> current variable
-        self.spread: dict[str, str] = {}  # source index -> its size once spread (T)
-        self.spatial = {c.source for c in self.net.convs} | {c.target for c in self.net.convs}
+        self.nodes: list[Node] = []
+        self.static: dict[str, str] = {}  # variable -> index name, of sizes read from self
+        self.var: dict[str, Var | Param] = {}  # plan operand -> what holds it now
+        self.layout: dict[Var | Param, tuple[str, ...]] = {}  # index names of its axes
+        self.dims: dict[Var | Param, tuple[Size, ...]] = {}  # its shape
+        self.reshaped: dict[Var, Var | Param] = {}  # a reshape's result -> its source
 
-    def emit(self, out: str, op: str, *args: Any, comment: str = "") -> str:
-        self.stmts.append(Stmt(out, op, args, comment))
-        return out
+    # ---- sizes ------------------------------------------------------------------------------
 
-    def runtime(self, index: str) -> bool:
-        """Whether the size of ``index`` comes from the data (else from the module's sizes)."""
-        return self.net.index(index).runtime
-
-    def dim(self, index: str) -> Dim:
-        """The variable holding the size of ``index`` (static sizes are read from the module)."""
-        if index in self.spread:
-            return self.spread[index]
-        if self.runtime(index):
-            return self.name("size:" + index, _size_base(index, self.net))
+    def size(self, index: str) -> Size:
+        """The symbol of an index's size: read from the data, or from the module's sizes."""
+        if self.net.index(index).runtime:
+            c = self.net.conv_of(index)  # an affine source h+kh-1 is read as h_in
+            base = c.target + "_in" if c and index == c.source and not index.isidentifier() \
+                else index
+            return Size.of(self.name("size:" + index, base))
+        formula = dict(self.net.derived).get(index)
+        if formula is not None and formula[0] == "int":  # a derived constant: folded
+            return Size.of(formula[1])
         var = self.name("size:" + index, index)
         self.static[var] = index
-        return var
+        return Size.of(var)
+
+    def product(self, indices: Sequence[str]) -> Size:
+        return math.prod((self.size(i) for i in indices), start=Size.of(1))
+
+    def dim(self, holder: Var | Param, index: str) -> Size:
+        """The current length of ``index``'s axis in ``holder`` (a spread axis is longer)."""
+        return self.dims[holder][self.layout[holder].index(index)]
+
+    # ---- emitting ---------------------------------------------------------------------------
+
+    def call(self, base: str, fn: str, *args: Arg, layout: tuple[str, ...],
+             dims: Sequence[Size], comment: str = "", **kwargs: Arg) -> Var:
+        out = Var(self.name(f"tensor:{len(self.nodes)}", base))
+        self.nodes.append(Call(out.name, fn, args, tuple(kwargs.items()), comment))
+        self.layout[out], self.dims[out] = tuple(layout), tuple(dims)
+        return out
+
+    def arrange(self, holder: Var | Param, order: Sequence[str], shape: Shape) -> Var | Param:
+        """``holder`` permuted into ``order`` and reshaped to ``shape``, each only if needed."""
+        layout = self.layout[holder]
+        base = holder.name
+        if list(layout) != list(order):
+            perm = tuple(layout.index(i) for i in order)
+            holder = self.call(base + "_p", ".permute", holder, *perm, layout=tuple(order),
+                               dims=[self.dims[holder][p] for p in perm])
+        if _same_shape(self.dims[holder], shape):
+            return holder
+        source = self.reshaped.get(holder, holder) if isinstance(holder, Var) else holder
+        dims = [d for d in shape]
+        out = self.call(base + "_r", ".reshape", source, *shape, layout=tuple(order),
+                        dims=[Size.of(0) if d == -1 else d for d in dims])
+        self.reshaped[out] = source
+        return out
+
+    def batch_dim(self, holder: Var | Param, batch: Sequence[str]) -> Size | int:
+        """The flattened batch axis of a conv's input: the axis itself when there is one,
+        else -1 (torch infers it)."""
+        if len(batch) > 1:
+            return -1
+        return self.dim(holder, batch[0]) if batch else Size.of(1)
+
+    def reshape_to(self, holder: Var, layout: Sequence[str], dims: Sequence[Size],
+                   base: str) -> Var:
+        if _same_shape(self.dims[holder], list(dims)):
+            self.layout[holder] = tuple(layout)
+            return holder
+        source = self.reshaped.get(holder, holder)
+        out = self.call(base, ".reshape", source, *dims, layout=tuple(layout), dims=dims)
+        self.reshaped[out] = source
+        return out
 
     # ---- the program ------------------------------------------------------------------------
 
     def program(self) -> Program:
         net = self.net
-        data = self.name("tensor:" + net.input.name, net.input.name)
-        params = tuple((self.name("tensor:" + c.name, c.name), c.name) for c in net.cores)
+        data = Var(self.name("tensor:" + net.input.name, net.input.name))
+        out_name = self.name("tensor:" + net.output.name, net.output.name)
         self.prologue(data)
-        for var, core in params:
-            tensor = next(c for c in net.cores if c.name == core)
-            flips = tuple(tensor.indices.index(k) for k in sorted(tensor.flipped))
-            self.emit(var, "param", core, flips, comment=_operand_text(core, tensor.indices))
-            self.var[core] = var
-            self.layout[var] = tensor.indices
+        for core in net.cores:
+            holder: Var | Param = Param(core.name)
+            self.layout[holder] = core.indices
+            self.dims[holder] = tuple(self.size(i) for i in core.indices)
+            if core.flipped:
+                dims = [core.indices.index(k) for k in sorted(core.flipped)]
+                holder = self.call(core.name + "_flipped", ".flip", holder, dims,
+                                   layout=core.indices, dims=self.dims[holder],
+                                   comment=f"{core.name} with {', '.join(sorted(core.flipped))}"
+                                   " reversed (the reproducing transformation's R)")
+            self.var[core.name] = holder
         for step in self.plan.steps:
             self.step(step)
-        result = self.epilogue()
-        sizes = tuple(sorted(self.static.items(), key=lambda kv: list(net.sizes).index(kv[1])
-                             if kv[1] in net.sizes else 0))
-        return Program(net, data, params, sizes, tuple(self.stmts), result)
+        result = self.epilogue(out_name)
+        return self.finish(data.name, result)
 
-    def prologue(self, data: str) -> None:
-        """Check the data's shape, read its run-time sizes, split its groups, apply
-        kernel-less relations and input dilation."""
-        net = self.net
-        t = net.input
-        expected: list[tuple[str, Dim | None]] = []
-        names: list[str | None] = []
+    def prologue(self, data: Var) -> None:
+        """Check the data's shape, read its run-time sizes, split its groups, and apply
+        input dilation (backward networks) and kernel-less relations (subsampling)."""
+        net, t = self.net, self.net.input
+        runtime = {i for i in t.indices if net.index(i).runtime}
+        expected, names = [], []
         for axis in t.axes:
-            sized = not any(self.runtime(i) for i in axis)
-            runtime = len(axis) == 1 and not sized
-            expected.append((_axis_text(axis), self.product(list(axis)) if sized else None))
-            names.append(str(self.dim(axis[0])) if runtime else
-                         None if sized else self.name("axis:" + "_".join(axis), "_".join(axis)))
-        self.emit("", "expect", data, tuple(expected), t.name)
+            sized = not runtime & set(axis)
+            expected.append((axis_text(axis), self.product(axis) if sized else None))
+            names.append(None if sized else str(self.size(axis[0])) if len(axis) == 1 else
+                         self.name("axis:" + "_".join(axis), "_".join(axis)))
+        self.nodes.append(CheckShape(data.name, t.name, tuple(expected)))
         if any(names):
-            self.emit("", "unpack", data, tuple(names))
-        for axis, var in zip(t.axes, names):
-            if len(axis) > 1 and var is not None:
-                known = [a for a in axis if not self.runtime(a)]
-                unknown = next(a for a in axis if self.runtime(a))
-                self.emit(str(self.dim(unknown)), "infer", var, self.product(known),
-                          f"{t.name} axis {_axis_text(axis)}")
+            self.nodes.append(Unpack(data.name, tuple(names)))
+        for axis, name in zip(t.axes, names):
+            if len(axis) > 1 and name is not None:
+                known = self.product([i for i in axis if i not in runtime])
+                unknown = next(i for i in axis if i in runtime)
+                self.nodes.append(Require(Size.of(name), known, (
+                    f"{t.name}: axis {axis_text(axis)} has size ", Size.of(name),
+                    ", not a multiple of ", known)))
+                self.nodes.append(Let(str(self.size(unknown)), Size.of(name) // known))
         for c in net.convs:
-            k = self.dim(c.kernel) if c.kernel else 1
-            self.emit(str(self.dim(c.target)), "conv_size", self.dim(c.source), k, c.stride,
-                      c.dilation, c.padding, c.input_dilation, comment=f"{c.target} from {c.text}")
-        layout = t.indices
-        var = data
+            if net.index(c.target).runtime:
+                k = self.size(c.kernel) if c.kernel else 1
+                value = conv_out(self.size(c.source), k, c.stride, c.dilation, c.padding,
+                                 c.input_dilation)
+                target = self.size(c.target)
+                self.nodes.append(Let(str(target), value, f"{c.target} from {c.text}"))
+                if not value.is_atomic():
+                    self.nodes.append(Require(target, None, (
+                        f"{t.name}: axis {c.text} of size ", self.size(c.source),
+                        " is too small: it gives an output size of ", target)))
+        self.layout[data] = tuple(axis_text(a) for a in t.axes)
+        self.dims[data] = tuple(self.product(a) for a in t.axes)
+        holder: Var | Param = data
         if any(len(a) > 1 for a in t.axes):
-            var = self.emit(self.name("tensor:split", data + "_split"), "reshape", var,
-                            tuple(self.dim(i) for i in layout),
-                            comment="split " + ", ".join(
-                                _axis_text(a) for a in t.axes if len(a) > 1))
+            holder = self.reshape_to(data, t.indices, [self.size(i) for i in t.indices],
+                                     data.name + "_split")
         for c in net.convs:
             if c.input_dilation > 1:
-                axis = layout.index(c.source)
-                var = self.emit(self.name("tensor:dilated", "dilated"), "dilate", var, axis,
-                                c.input_dilation,
-                                comment=f"spread {c.source} by {c.input_dilation}")
-                n = self.dim(c.source)
-                self.spread[c.source] = self.emit(self.name("size:spread:" + c.source,
-                                                            f"{n}_spread"),
-                                                  "spread_size", n, c.input_dilation)
+                holder = self.spread(holder, c.source, c.input_dilation)
+        for c in net.convs:
             if c.kernel is None:
-                axis = layout.index(c.source)
-                var = self.emit(self.name("tensor:sub:" + c.target, "sub"), "subsample", var,
-                                axis, len(layout), c.stride, c.padding, self.dim(c.target),
-                                comment=f"{c.target} = {c.text}")
-                layout = tuple(c.target if i == c.source else i for i in layout)
-        self.var[t.name] = var
-        self.layout[var] = layout
+                holder = self.subsample(holder, c)
+        self.var[t.name] = holder
+
+    def spread(self, holder: Var | Param, axis: str, factor: int) -> Var:
+        """Insert factor-1 zeros after each entry along ``axis`` (the transformation T). The
+        result keeps factor-1 trailing zeros; the explicit padding of the next op crops them."""
+        layout, dims = self.layout[holder], list(self.dims[holder])
+        n = layout.index(axis)
+        pads = [0, 0] * (len(layout) - n - 1) + [0, factor - 1]
+        wide = self.call(holder.name + "_u", ".unsqueeze", holder, n + 1,
+                         layout=layout[:n + 1] + ("",) + layout[n + 1:],
+                         dims=dims[:n + 1] + [Size.of(1)] + dims[n + 1:])
+        padded = self.call(holder.name + "_z", "F.pad", wide, tuple(pads),
+                           layout=self.layout[wide],
+                           dims=dims[:n + 1] + [Size.of(factor)] + dims[n + 1:],
+                           comment=f"spread {axis} by {factor}: {factor - 1} zeros after each "
+                                   "entry (the reproducing transformation's T)")
+        dims[n] = dims[n] * factor
+        out = self.call(holder.name + "_spread", ".reshape", padded, *dims, layout=layout,
+                        dims=dims)
+        return out
+
+    def subsample(self, holder: Var | Param, c: Any) -> Var | Param:
+        """A relation without kernel: positions -p, s-p, 2s-p, ... of the data axis."""
+        layout, dims = self.layout[holder], list(self.dims[holder])
+        n = layout.index(c.source)
+        target = self.size(c.target)
+        right: Size = Size.of(c.padding)
+        if not self.net.index(c.target).runtime or c.input_dilation > 1:
+            right = (target - 1) * c.stride + 1 - dims[n] - c.padding
+        if c.padding or right.constant != c.padding:
+            pads = [0, 0] * (len(layout) - n - 1) + [c.padding, right]
+            holder = self.call(holder.name + "_pad", "F.pad", holder, tuple(pads),
+                               layout=layout, dims=dims, comment=f"{c.target} = {c.text}")
+        dims[n] = target
+        new_layout = tuple(c.target if i == c.source else i for i in layout)
+        if c.stride == 1:
+            self.layout[holder], self.dims[holder] = new_layout, tuple(dims)
+            return holder
+        return self.call(holder.name + "_sub", "[]", holder, n, c.stride, layout=new_layout,
+                         dims=dims, comment=f"{c.target} = {c.text}")
+
+    # ---- steps ------------------------------------------------------------------------------
 
     def step(self, step: Step) -> None:
         left, right = self.var[step.left.name], self.var[step.right.name]
-        out = self.name("tensor:" + step.result.name, step.result.name)
-        what = (f"{_operand_text(step.left.name, step.left.indices)} * "
-                f"{_operand_text(step.right.name, step.right.indices)} -> "
-                f"{_operand_text(step.result.name, step.result.indices)}")
-        spatial = [i for i in step.left.indices if i in self.spatial] if step.data_side else []
-        shared_kept = [i for i in step.left.indices if i in step.right.indices
-                       and i in step.result.indices]
-        if step.data_side and len(spatial) > 3 and step.convs:
-            # torch convolves at most 3 axes: the others ride along with the batch
-            self.conv(step, left, right, out, what, [c.source for c in step.convs])
-        elif step.data_side and 1 <= len(spatial) <= 3 and (step.convs or step.impl == "conv"):
-            self.conv(step, left, right, out, what, spatial)
-        elif step.data_side and not spatial and not shared_kept:
-            self.linear(step, left, right, out, what)
+        what = (f"{_text(left.name, step.left.indices)} * "
+                f"{_text(right.name, step.right.indices)}")
+        base = step.result.name
+        if step.op in ("conv", "conv1x1"):
+            out = self.conv(step, left, right, base, what)
+        elif step.op == "linear":
+            out = self.linear(step, left, right, base, what)
         else:
-            eq = _equation(step.left.indices, step.right.indices, step.result.indices)
-            self.emit(out, "einsum", eq, left, right,
-                      comment=f"einsum, {step.flops:,} FLOPs: {what}")
+            out = self.einsum(step, left, right, base, what)
         self.var[step.result.name] = out
-        self.layout[out] = step.result.indices
 
-    def conv(self, step: Step, left: str, right: str, out: str, what: str,
-             spatial: list[str]) -> None:
-        """A grouped convolution over every spatial axis of the data side: the relations this
-        step resolves with their kernels, the others with a kernel of 1 (a 1x1 convolution
-        is how the data side mixes channels without moving the data)."""
-        L, R = step.left.indices, step.right.indices
-        res = step.result.indices
+    def conv(self, step: Step, left: Var | Param, right: Var | Param, base: str,
+             what: str) -> Var:
+        """One grouped ``F.convNd`` over the split's spatial axes: the relations this step
+        resolves with their kernels, the other axes with a kernel of 1."""
+        sp, net = step.split, self.net
         by_source = {c.source: c for c in step.convs}
-        kernels = [str(c.kernel) for c in step.convs]
-        batch = [i for i in L if i not in R and i not in spatial]
-        groups = [i for i in L if i in R and i in res]
-        chans = [i for i in L if i in R and i not in res]
-        outs = [i for i in R if i not in L and i not in kernels]
-        convs = [by_source.get(i) for i in spatial]
-        x = self.arrange(left, L, batch + groups + chans + spatial,
-                         [-1, self.product(groups + chans)] + [self.dim(i) for i in spatial])
-        w = self.arrange(right, R, groups + outs + chans + [str(c.kernel) for c in convs if c],
-                         [self.product(groups + outs), self.product(chans)] +
-                         [self.dim(str(c.kernel)) if c else 1 for c in convs])
+        convs = [by_source.get(i) for i in sp.spatial]
+        batch = self.batch_dim(left, sp.batch)
+        x = self.arrange(left, sp.batch + sp.groups + sp.inputs + sp.spatial,
+                         [batch, self.product(sp.groups + sp.inputs)] +
+                         [self.dim(left, i) for i in sp.spatial])
+        kernels = [str(c.kernel) for c in convs if c]
+        w = self.arrange(right, sp.groups + sp.outputs + sp.inputs + tuple(kernels),
+                         [self.product(sp.groups + sp.outputs), self.product(sp.inputs)] +
+                         [self.size(str(c.kernel)) if c else Size.of(1) for c in convs])
+        targets = [c.target if c else i for c, i in zip(convs, sp.spatial)]
+        # explicit padding where the output size is given (backward networks) or the data was
+        # spread: PyTorch's symmetric padding would not produce exactly that size
+        explicit = any(c and (not net.index(c.target).runtime or c.input_dilation > 1)
+                       for c in convs)
+        kwargs: dict[str, Arg] = {}
+        if explicit:
+            pads: list[Any] = []
+            for c, i in zip(convs, sp.spatial):
+                n = self.dim(left, i)
+                right_pad = (self.size(c.target) - 1) * c.stride + \
+                    c.dilation * (self.size(str(c.kernel)) - 1) - c.padding - (n - 1) \
+                    if c else Size.of(0)
+                pads = [c.padding if c else 0, right_pad] + pads
+            x = self.call(x.name + "_pad", "F.pad", x, tuple(pads), layout=self.layout[x],
+                          dims=self.dims[x])
+        elif any(c and c.padding for c in convs):
+            kwargs["padding"] = _uniform([c.padding if c else 0 for c in convs])
+        if any(c and c.stride != 1 for c in convs):
+            kwargs["stride"] = _uniform([c.stride if c else 1 for c in convs])
+        if any(c and c.dilation != 1 for c in convs):
+            kwargs["dilation"] = _uniform([c.dilation if c else 1 for c in convs])
+        groups = self.product(sp.groups)
+        if groups.constant != 1:
+            kwargs["groups"] = groups
         over = ", ".join(c.text for c in step.convs)
         kind = f"conv over {over}" if over else "1x1 conv (channel mixing)"
-        y = self.emit(self.name("tensor:conv:" + out, out + "_conv"), "conv", len(spatial), x, w,
-                      tuple(c.stride if c else 1 for c in convs),
-                      tuple(c.padding if c else 0 for c in convs),
-                      tuple(c.dilation if c else 1 for c in convs), self.product(groups),
-                      tuple(self.dim(c.target if c else i) for c, i in zip(convs, spatial)),
-                      comment=f"{kind}, {step.flops:,} FLOPs: {what}")
-        targets = [c.target if c else i for c, i in zip(convs, spatial)]
-        natural = batch + groups + outs + targets
-        if natural == list(res):
-            self.emit(out, "reshape", y, tuple(self.dim(i) for i in res))
-        else:  # only when some spatial axes rode along with the batch
-            y = self.emit(self.name("tensor:conv_r:" + out, out + "_r"), "reshape", y,
-                          tuple(self.dim(i) for i in natural))
-            self.emit(out, "permute", y, tuple(natural.index(i) for i in res))
+        lengths = [self.size(c.target) if c else self.dim(left, i)  # a 1x1 axis keeps its
+                   for c, i in zip(convs, sp.spatial)]                 # (maybe spread) length
+        dims = [Size.of(0) if batch == -1 else batch, self.product(sp.groups + sp.outputs)] + \
+            lengths
+        y = self.call(base + "_conv", f"F.conv{len(sp.spatial)}d", x, w, layout=("",) * len(dims),
+                      dims=dims, comment=f"{kind}, {step.flops:,} FLOPs: {what}", **kwargs)
+        natural = sp.batch + sp.groups + sp.outputs + tuple(targets)
+        y = self.reshape_to(y, natural, [self.dim(left, i) for i in sp.batch] +
+                            [self.size(i) for i in sp.groups + sp.outputs] + lengths, base)
+        if natural != step.result.indices:  # only when spatial axes rode along with the batch
+            res = step.result.indices
+            y = self.arrange(y, res, [self.dims[y][natural.index(i)] for i in res])
+        return y
 
-    def linear(self, step: Step, left: str, right: str, out: str, what: str) -> None:
-        """A data-side step without spatial axes or groups: one ``F.linear``."""
-        L, R = step.left.indices, step.right.indices
-        batch = [i for i in L if i not in R]
-        chans = [i for i in L if i in R]
-        outs = [i for i in R if i not in L]
-        x = self.arrange(left, L, batch + chans, [-1, self.product(chans)])
-        w = self.arrange(right, R, outs + chans, [self.product(outs), self.product(chans)])
-        y = self.emit(self.name("tensor:lin:" + out, out + "_lin"), "linear", x, w,
+    def linear(self, step: Step, left: Var | Param, right: Var | Param, base: str,
+               what: str) -> Var:
+        """A data-side step without spatial axes or groups: one ``F.linear`` over the last
+        axis, the batch axes left as they are."""
+        sp = step.split
+        batch_dims = [self.dim(left, i) for i in sp.batch]
+        x = self.arrange(left, sp.batch + sp.inputs, batch_dims + [self.product(sp.inputs)])
+        w = self.arrange(right, sp.outputs + sp.inputs,
+                         [self.product(sp.outputs), self.product(sp.inputs)])
+        y = self.call(base + "_lin", "F.linear", x, w, layout=sp.batch + ("",),
+                      dims=batch_dims + [self.product(sp.outputs)],
                       comment=f"linear, {step.flops:,} FLOPs: {what}")
-        self.emit(out, "reshape", y, tuple(self.dim(i) for i in step.result.indices))
+        return self.reshape_to(y, step.result.indices,
+                               batch_dims + [self.size(i) for i in sp.outputs], base)
 
-    def product(self, indices: list[str]) -> Dim:
-        if not indices:
-            return 1
-        if len(indices) == 1:
-            return self.dim(indices[0])
-        return "*".join(str(self.dim(i)) for i in indices)
+    def einsum(self, step: Step, left: Var | Param, right: Var | Param, base: str,
+               what: str) -> Var:
+        a, b, out = step.left.indices, step.right.indices, step.result.indices
+        dims = [self.dim(left, i) if i in a else self.dim(right, i) for i in out]
+        comment = f"einsum, {step.flops:,} FLOPs: {what}"
+        names = list(dict.fromkeys(a + b))
+        if len(names) <= len(_LETTERS):
+            letter = dict(zip(names, _LETTERS))
+            eq = "".join(letter[i] for i in a) + "," + "".join(letter[i] for i in b) + \
+                "->" + "".join(letter[i] for i in out)
+            return self.call(base, "torch.einsum", eq, left, right, layout=out, dims=dims,
+                             comment=comment)
+        number = {i: n for n, i in enumerate(names)}  # the sublist form has no letter limit
+        return self.call(base, "torch.einsum", left, [number[i] for i in a], right,
+                         [number[i] for i in b], [number[i] for i in out], layout=out,
+                         dims=dims, comment=comment)
 
-    def arrange(self, var: str, layout: tuple[str, ...], order: list[str],
-                shape: list[Dim]) -> str:
-        """Permute ``var`` from ``layout`` into ``order``, then reshape to ``shape``."""
-        if list(layout) != order:
-            perm = tuple(layout.index(i) for i in order)
-            var = self.emit(self.name(f"tensor:perm:{var}", var + "_p"), "permute", var, perm)
-        return self.emit(self.name(f"tensor:flat:{var}", var + "_r"), "reshape", var,
-                         tuple(shape))
-
-    def epilogue(self) -> str:
+    def epilogue(self, out_name: str) -> str:
         """Permute the last result into the output's order, merge its groups, add the bias."""
         net = self.net
-        var = self.var[self.plan.steps[-1].result.name]
-        layout, target = self.layout[var], net.output.indices
-        out = self.name("tensor:" + net.output.name, net.output.name)
-        grouped = any(len(a) > 1 for a in net.output.axes)
-        text = _operand_text(net.output.name, [_axis_text(a) for a in net.output.axes])
-        if layout != target:
-            var = self.emit(self.name("tensor:out_p", out + "_p") if grouped else out,
-                            "permute", var, tuple(layout.index(i) for i in target),
-                            comment="" if grouped else text)
-        if grouped:
-            var = self.emit(out, "reshape", var,
-                            tuple(self.product(list(a)) for a in net.output.axes), comment=text)
-        if var != out:  # name the result, so that the bias can be added to it in place
-            var = self.emit(out, "alias", var, comment=text)
+        holder = self.var[self.plan.steps[-1].result.name] if self.plan.steps else \
+            self.var[net.input.name]
+        target = net.output.indices
+        holder = self.arrange(holder, target, [self.dim(holder, i) for i in target])
+        if any(len(a) > 1 for a in net.output.axes):
+            holder = self.reshape_to(holder, [axis_text(a) for a in net.output.axes],
+                                     [self.product(a) for a in net.output.axes], out_name)
+        name = holder.name
+        if isinstance(holder, Var) and any(getattr(n, "out", None) == name for n in self.nodes):
+            self.rename(name, out_name)
+            name = out_name
         if bias_shape(net):  # skipped at run time when the module has no bias
-            shape = tuple(self.product(list(a)) if from_cores(net, a) else 1
+            shape = tuple(self.product(a) if from_cores(net, a) else Size.of(1)
                           for a in net.output.axes)
-            var = self.emit(out, "bias", var, shape, comment="bias over " + ", ".join(
-                _axis_text(a) for a in net.output.axes if from_cores(net, a)))
-        return var
+            self.nodes.append(Bias(out_name, name, shape, "bias over " + ", ".join(
+                axis_text(a) for a in net.output.axes if from_cores(net, a))))
+            name = out_name
+        return name
+
+    def rename(self, old: str, new: str) -> None:
+        def swap(arg: Any) -> Any:
+            if isinstance(arg, Var):
+                return Var(new) if arg.name == old else arg
+            if isinstance(arg, (tuple, list)):
+                return type(arg)(swap(a) for a in arg)
+            return arg
+        self.nodes = [replace(n, out=new if n.out == old else n.out, args=swap(n.args),
+                              kwargs=swap(n.kwargs)) if isinstance(n, Call) else n
+                      for n in self.nodes]
+
+    def finish(self, data: str, result: str) -> Program:
+        """Drop nodes whose result is unused; list the static sizes the rest read."""
+        used, kept = {result}, []
+        for node in reversed(self.nodes):
+            if isinstance(node, (Call, Let)) and node.out not in used:
+                continue
+            if isinstance(node, Bias):
+                used.discard(node.out)
+            used |= _names(node)
+            kept.append(node)
+        kept.reverse()
+        # comments name the variables the code has: a dropped reshape by what it reshaped
+        gone = {n.out for n in self.nodes if isinstance(n, Call)} - \
+            {n.out for n in kept if isinstance(n, Call)}
+
+        def shown(name: str) -> str:
+            while name in gone and Var(name) in self.reshaped:
+                name = self.reshaped[Var(name)].name
+            return name
+        kept = [replace(n, comment=re.sub(r"\b(\w+)\[", lambda m: shown(m.group(1)) + "[",
+                                          n.comment))
+                if isinstance(n, Call) and n.comment else n for n in kept]
+        nodes = [replace(n, names=tuple(v if v in used else None for v in n.names))
+                 if isinstance(n, Unpack) else n for n in kept]
+        nodes = [n for n in nodes if not (isinstance(n, Unpack) and not any(n.names))]
+        order = list(self.net.sizes)
+        sizes = sorted(((v, i) for v, i in self.static.items() if v in used),
+                       key=lambda vi: order.index(vi[1]) if vi[1] in order else 0)
+        return Program(self.net, data, tuple(sizes), tuple(nodes), result)
+
+
+_LETTERS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+
+
+def _names(node: Node) -> set[str]:
+    """Every variable a node reads."""
+    found: set[str] = set()
+
+    def visit(arg: Any) -> None:
+        if isinstance(arg, Var):
+            found.add(arg.name)
+        elif isinstance(arg, Size):
+            found.update(arg.atoms())
+        elif isinstance(arg, (tuple, list)):
+            for a in arg:
+                visit(a)
+    if isinstance(node, Call):
+        visit(node.args)
+        visit([v for _, v in node.kwargs])
+    elif isinstance(node, CheckShape):
+        found.add(node.var)
+        visit([d for _, d in node.expected])
+    elif isinstance(node, Unpack):
+        found.add(node.var)
+    elif isinstance(node, Let):
+        visit(node.value)
+    elif isinstance(node, Require):
+        visit([node.value, node.divisor, list(node.message)])
+    elif isinstance(node, Bias):
+        found.add(node.var)
+        visit(node.shape)
+    return found
+
+
+def _same_shape(dims: Sequence[Size], shape: Sequence[Any]) -> bool:
+    """Whether reshaping a tensor of ``dims`` to ``shape`` would change nothing (-1 matches
+    the one remaining axis)."""
+    return len(dims) == len(shape) and sum(d == -1 for d in shape) <= 1 and all(
+        s == -1 or Size.of(s) == d for d, s in zip(dims, shape))
+
+
+def _uniform(values: list[int]) -> int | tuple[int, ...]:
+    return values[0] if len(set(values)) == 1 else tuple(values)
+
+
+def _text(name: str, indices: Sequence[str]) -> str:
+    return f"{name}[{', '.join(indices)}]"
 
 
 def bias_shape(net: Network) -> tuple[int, ...]:
     """Shape of the bias: one dimension per output axis that comes from cores."""
     sizes = net.sizes
-    dims = []
-    for axis in net.output.axes:
-        if from_cores(net, axis):
-            n = 1
-            for i in axis:
-                n *= sizes[i]
-            dims.append(n)
-    return tuple(dims)
+    return tuple(math.prod(sizes[i] for i in axis) for axis in net.output.axes
+                 if from_cores(net, axis))
 
 
 def from_cores(net: Network, axis: tuple[str, ...]) -> bool:
     """Whether an output axis carries an index that comes from the cores (the bias spans it)."""
     return any(net.index(i).role in (Role.OUTPUT_MODE, Role.PARALLEL) for i in axis)
-
-
-def _size_base(index: str, net: Network) -> str:
-    c = net.conv_of(index)
-    if c is not None and index == c.source:
-        return c.target + "_in"
-    return index
-
-
-def _axis_text(axis: tuple[str, ...]) -> str:
-    return axis[0] if len(axis) == 1 else "(" + " ".join(axis) + ")"
-
-
-def _operand_text(name: str, indices) -> str:
-    return f"{name}[{', '.join(indices)}]"
-
-
-def _equation(a: tuple[str, ...], b: tuple[str, ...], out: tuple[str, ...]) -> str:
-    letters = {i: _LETTERS[n] for n, i in enumerate(dict.fromkeys(a + b))}
-    return "".join(letters[i] for i in a) + "," + "".join(letters[i] for i in b) + "->" + \
-        "".join(letters[i] for i in out)
-
-
-def bind_shape(net: Network, shape: Sequence[int]) -> Network:
-    """``net`` with its run-time sizes bound from the data's ``shape``: batch and spatial
-    sizes, the one unsized member of a group, and every conv target. Raises ValueError naming
-    the expected size."""
-    t = net.input
-    sizes = net.sizes
-    expected = [(_axis_text(a), math.prod(sizes[i] for i in a)
-                 if all(i in sizes for i in a) else None) for a in t.axes]
-    check_shape(t.name, expected, shape)
-    bound: dict[str, int] = {}
-    for axis, n in zip(t.axes, shape):
-        unknown = [i for i in axis if i not in sizes]
-        if len(axis) == 1 and unknown:
-            bound[axis[0]] = int(n)
-        elif unknown:
-            known = math.prod(sizes[i] for i in axis if i in sizes)
-            if n % known:
-                raise ValueError(f"{t.name}: axis {_axis_text(axis)} has size {n}, not a "
-                                 f"multiple of {known}")
-            bound[unknown[0]] = int(n) // known
-    for c in net.convs:
-        if c.target not in sizes:
-            k = sizes[c.kernel] if c.kernel else 1
-            bound[c.target] = c.out_size(bound[c.source], k)
-            if bound[c.target] < 1:
-                raise ValueError(f"{t.name}: axis {c.text} of size {bound[c.source]} is too "
-                                 f"small for kernel {k} (dilation {c.dilation}, padding "
-                                 f"{c.padding}): the output size would be {bound[c.target]}")
-    return net.bind(bound)
-
-
-def check_shape(name: str, expected: Sequence[tuple[str, int | None]],
-                shape: Sequence[int]) -> None:
-    """Raise ValueError unless ``shape`` has the expected rank and static axis sizes."""
-    if len(shape) != len(expected) or any(
-            d is not None and shape[n] != d for n, (_, d) in enumerate(expected)):
-        want = ", ".join(f"{t}={d}" if d is not None else t for t, d in expected)
-        raise ValueError(f"{name}: expected shape [{want}], got {list(shape)}")

@@ -25,10 +25,9 @@ from typing import Callable, Sequence
 
 from opt_einsum.paths import DynamicProgramming, greedy
 
-from .check import DEFAULT_MAX_ELEMENTS
 from .cost import CostModel
 from .errors import SpecError
-from .ir import Conv, Network, Role
+from .ir import DEFAULT_MAX_ELEMENTS, Conv, Network, Role
 
 Path = list[tuple[int, ...]]
 
@@ -45,18 +44,38 @@ class Operand:
 
 
 @dataclass(frozen=True)
+class Split:
+    """How a data-side step's indices map onto the axes of the torch op that runs it:
+    ``batch`` (the data side's own indices), ``groups`` (shared and kept), ``inputs`` (shared
+    and summed: input channels), ``outputs`` (the core side's own: output channels) and
+    ``spatial`` (the axes a conv slides over; kernel 1 where no relation is resolved)."""
+
+    batch: tuple[str, ...] = ()
+    groups: tuple[str, ...] = ()
+    inputs: tuple[str, ...] = ()
+    outputs: tuple[str, ...] = ()
+    spatial: tuple[str, ...] = ()
+
+
+#: what runs a step: a grouped convolution resolving relations, a grouped 1x1 convolution
+#: (channel mixing on the data side), ``F.linear``, or a pairwise ``torch.einsum``
+OPS = ("conv", "conv1x1", "linear", "einsum")
+
+
+@dataclass(frozen=True)
 class Step:
     """One pairwise contraction. When one operand descends from the data, it is ``left``
-    (``data_side``); its result is laid out (batch, groups, out channels, spatial)."""
+    (``data_side``); its result is laid out (batch, groups, out channels, spatial). ``op`` and
+    ``split`` say exactly how it runs; lowering only names and emits."""
 
     left: Operand
     right: Operand
     result: Operand
-    kind: str  # "conv" if it resolves conv relations, else "einsum"
+    op: str  # one of OPS
     convs: tuple[Conv, ...]
     macs: int
     data_side: bool = False
-    impl: str = "einsum"  # how lowering runs a step without relations: "einsum" or "conv"
+    split: Split = Split()
     seconds: float = 0.0  # the cost model's forward+backward estimate
 
     @property
@@ -83,13 +102,13 @@ class Plan:
     def report(self) -> str:
         """A table like opt_einsum's PathInfo: each step, its kind, FLOPs and result size."""
         sizes = self.network.sizes
-        rows = [f"  {'step':<5}{'kind':<8}{'FLOPs':>12}{'elements':>12}  contraction"]
+        rows = [f"  {'step':<5}{'op':<9}{'FLOPs':>12}{'elements':>12}  contraction"]
         for n, s in enumerate(self.steps, 1):
             what = (f"{_operand(s.left)} * {_operand(s.right)} -> {_operand(s.result)}")
             if s.convs:
                 what += "  over " + ", ".join(c.text for c in s.convs)
             size = math.prod(sizes[i] for i in s.result.indices)
-            rows.append(f"  {n:<5}{s.kind:<8}{s.flops:>12,}{size:>12,}  {what}")
+            rows.append(f"  {n:<5}{s.op:<9}{s.flops:>12,}{size:>12,}  {what}")
         dense = 2 * self.dense_macs
         head = (f"plan ({self.planner}) for {self.network.spec}\n"
                 f"  total {self.flops:,} FLOPs vs dense {dense:,} "
@@ -251,11 +270,35 @@ class Problem:
                 a, b, left, right = b, a, right, left
             order = self.result_order(left, right, convs, self.legs(a | b), bool(a & 1))
             result = Operand(self.fresh_name(len(steps) + 1), order)
-            kind = "conv" if convs else "einsum"
-            steps.append(Step(left, right, result, kind, convs, macs, bool(a & 1), impl,
+            op, split = self.operation(left, right, result, convs, impl, bool(a & 1))
+            steps.append(Step(left, right, result, op, convs, macs, bool(a & 1), split,
                               seconds))
             live.append((a | b, result))
         return steps if len(live) == 1 else None
+
+    def operation(self, left: Operand, right: Operand, result: Operand,
+                  convs: tuple[Conv, ...], impl: str, data_side: bool) -> tuple[str, Split]:
+        """The op that runs a step and its axis split. On the data side: a grouped conv when
+        it resolves relations or the cost model prefers a 1x1 conv, ``F.linear`` when there are
+        neither spatial axes nor groups; everything else is an einsum."""
+        L, R, res = left.indices, right.indices, set(result.indices)
+        spatial = [i for i in L if i in self.spatial] if data_side else []
+        if data_side and convs and len(spatial) > MAX_CONV_DIMS:
+            spatial = [c.source for c in convs]  # the others ride along with the batch
+        elif not (data_side and 1 <= len(spatial) <= MAX_CONV_DIMS and
+                  (convs or impl == "conv")):
+            if data_side and not spatial and not any(i in R and i in res for i in L):
+                return "linear", Split(tuple(i for i in L if i not in R),
+                                       inputs=tuple(i for i in L if i in R),
+                                       outputs=tuple(i for i in R if i not in L))
+            return "einsum", Split()
+        kernels = {str(c.kernel) for c in convs}
+        split = Split(batch=tuple(i for i in L if i not in R and i not in spatial),
+                      groups=tuple(i for i in L if i in R and i in res),
+                      inputs=tuple(i for i in L if i in R and i not in res),
+                      outputs=tuple(i for i in R if i not in L and i not in kernels),
+                      spatial=tuple(spatial))
+        return ("conv" if convs else "conv1x1"), split
 
     def fresh_name(self, k: int) -> str:
         """``t<k>`` for the k-th intermediate, never the name of one of the network's tensors

@@ -1,106 +1,52 @@
-"""Stage 5b, runtime: the interpreter that executes a lowered Program with torch.
+"""Stage 7, runtime: load generated source as live code (the one executor).
 
-Inline modules (``tnspec.layer``) call :func:`run` on every forward; generated modules print
-the same statements as Python instead (``codegen``), so both compute the same thing.
+As ``torch.fx.GraphModule`` does, an inline layer does not interpret its plan: it executes
+the source that ``codegen`` prints for it, the text ``tnspec compile`` would write. Each
+distinct source is compiled once and kept in a bounded cache, under a file name registered
+with :mod:`linecache`, so that tracebacks, ``pdb`` and profilers show the generated lines.
 """
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+import hashlib
+import linecache
+from collections import OrderedDict
+from typing import Any
 
-from .lower import Dim, Program, check_shape
+from . import codegen
+from .ir import Network
+from .program import Program
 
-
-def run(program: Program, data: Any, params: Mapping[str, Any], sizes: Mapping[str, int],
-        bias: Any = None) -> Any:
-    """Execute ``program`` with torch: ``params`` maps core names to tensors, ``sizes`` gives
-    every static index size by index name."""
-    import torch
-    import torch.nn.functional as F
-
-    env: dict[str, Any] = {program.data: data}
-    for var, index in program.sizes:
-        env[var] = sizes[index]
-
-    def dim(d: Dim) -> int:
-        if isinstance(d, int):
-            return d
-        n = 1
-        for part in d.split("*"):
-            n *= env[part]
-        return n
-
-    for s in program.stmts:
-        a = s.args
-        if s.op == "expect":
-            check_shape(a[2], [(t, None if d is None else dim(d)) for t, d in a[1]],
-                        tuple(env[a[0]].shape))
-        elif s.op == "unpack":
-            for name, n in zip(a[1], env[a[0]].shape):
-                if name is not None:
-                    env[name] = int(n)
-        elif s.op == "infer":
-            known = dim(a[1])
-            if env[a[0]] % known:
-                raise ValueError(f"{a[2]} has size {env[a[0]]}, not a multiple of {known}")
-            env[s.out] = env[a[0]] // known
-        elif s.op == "conv_size":
-            n, k, stride, dil, pad, idil = dim(a[0]), dim(a[1]), a[2], a[3], a[4], a[5]
-            if s.out not in env:  # a bound target size (backward networks) is kept
-                env[s.out] = ((n - 1) * idil + 1 + 2 * pad - dil * (k - 1) - 1) // stride + 1
-            if env[s.out] < 1:
-                raise ValueError(f"input too small: {s.comment} gives size {env[s.out]}")
-        elif s.op == "param":
-            t = params[a[0]]
-            env[s.out] = t.flip(a[1]) if a[1] else t
-        elif s.op == "reshape":
-            env[s.out] = env[a[0]].reshape(tuple(dim(d) for d in a[1]))
-        elif s.op == "alias":
-            env[s.out] = env[a[0]]
-        elif s.op == "permute":
-            env[s.out] = env[a[0]].permute(a[1])
-        elif s.op == "einsum":
-            env[s.out] = torch.einsum(a[0], env[a[1]], env[a[2]])
-        elif s.op == "conv":
-            env[s.out] = _conv(F, env, dim, *a)
-        elif s.op == "linear":
-            env[s.out] = F.linear(env[a[0]], env[a[1]])
-        elif s.op == "subsample":
-            t, axis, stride, pad, length = env[a[0]], a[1], a[3], a[4], dim(a[5])
-            # positions -pad, -pad + stride, ...: pad (or crop, if negative) to exactly that span
-            right = (length - 1) * stride + 1 - t.shape[axis] - pad
-            if pad or right:
-                t = F.pad(t, [0, 0] * (t.dim() - axis - 1) + [pad, right])
-            env[s.out] = t[(slice(None),) * axis + (slice(None, None, stride),)]
-        elif s.op == "spread_size":
-            env[s.out] = (dim(a[0]) - 1) * a[1] + 1
-        elif s.op == "dilate":
-            t, axis, factor = env[a[0]], a[1], a[2]
-            shape = list(t.shape)
-            shape[axis] = (shape[axis] - 1) * factor + 1
-            spread = t.new_zeros(shape)
-            spread[(slice(None),) * axis + (slice(None, None, factor),)] = t
-            env[s.out] = spread
-        elif s.op == "bias":
-            env[s.out] = env[a[0]] if bias is None else \
-                env[a[0]] + bias.reshape(tuple(dim(d) for d in a[1]))
-        else:  # pragma: no cover - lowering emits only the ops above
-            raise AssertionError(f"unknown op {s.op}")
-    return env[program.result]
+#: compiled modules kept (each is a few functions); the oldest is dropped beyond this
+CACHE_SIZE = 512
+_cache: "OrderedDict[str, type]" = OrderedDict()
 
 
-def _conv(F: Any, env: dict[str, Any], dim: Any, nd: int, x: str, w: str, stride: tuple,
-          padding: tuple, dilation: tuple, groups: Dim, targets: tuple) -> Any:
-    """Grouped conv; explicit (possibly negative) padding when a bound target size needs it."""
-    xt, wt = env[x], env[w]
-    spatial_in = xt.shape[2:]
-    pads: list[int] = []
-    symmetric = True
-    for n, t, k, s, d, p in zip(spatial_in, targets, wt.shape[2:], stride, dilation, padding):
-        right = s * (dim(t) - 1) + d * (k - 1) - p - (n - 1)
-        symmetric &= right == p and p >= 0
-        pads = [p, right] + pads
-    conv = (F.conv1d, F.conv2d, F.conv3d)[nd - 1]
-    if symmetric:
-        return conv(xt, wt, None, stride, padding, dilation, dim(groups))
-    return conv(F.pad(xt, pads), wt, None, stride, 0, dilation, dim(groups))
+def load_class(source: str, name: str) -> type:
+    """The class ``name`` defined by ``source``, compiled once per distinct source."""
+    key = hashlib.sha1(source.encode()).hexdigest()[:16]
+    if key in _cache:
+        _cache.move_to_end(key)
+        return _cache[key]
+    filename = f"<tnspec-generated-{key}>"
+    lines = source.splitlines(True)
+    linecache.cache[filename] = (len(source), None, lines, filename)
+    namespace: dict[str, Any] = {}  # no __name__: dynamo would try to import it
+    exec(compile(source, filename, "exec"), namespace)  # our own codegen's output
+    cls = namespace[name]
+    _cache[key] = cls
+    if len(_cache) > CACHE_SIZE:
+        old, _ = _cache.popitem(last=False)
+        linecache.cache.pop(f"<tnspec-generated-{old}>", None)
+    return cls
+
+
+def layer_class(network: Network, program: Program | None, summary: str = "") -> type:
+    """The generated class of one layer (with ``forward`` when ``program`` is given)."""
+    source = codegen.generate([codegen.LayerCode(network, program, summary)])
+    return load_class(source, codegen.class_name(network))
+
+
+def source_of(fn: Any) -> str:
+    """The generated source a loaded function belongs to (for debugging and tests)."""
+    return "".join(linecache.getlines(fn.__code__.co_filename))

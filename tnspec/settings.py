@@ -142,36 +142,39 @@ class _OptionReader:
                 self.error(f"option {opt.key!r} is given twice", opt.span,
                            "keep one of them")
                 continue
-            value = self.option_value(opt.key, opt.value, opt.arg, opt.span)
-            if value is not None:
-                values[opt.key] = value
+            try:
+                values[opt.key] = option_value(opt.key, opt.value, opt.arg)
+            except SpecError as exc:
+                self.error(exc.message, opt.span, exc.hint)
         act = values.pop("activation", ("relu", None))
         return Options(activation=act[0], activation_param=act[1], **values)
 
-    def option_value(self, key: str, value: str | float, arg: float | None,
-                     span: Span) -> Any:
-        choices = {"init": INITS, "distribution": DISTRIBUTIONS, "activation": ACTIVATIONS,
-                   "bias": ("true", "false"), "stride_count": STRIDE_COUNTS}[key]
-        if key == "activation" and isinstance(value, float):
-            if value <= 0 or not math.isfinite(value):
-                self.error(f"activation scale {value} must be a positive number", span,
-                           "the scale p_a is 1 for linear/tanh, 0.5 for relu")
-                return None
-            return (value, None)
-        if isinstance(value, float) or value not in choices or (arg is not None and (
-                key != "activation" or value != "leaky_relu")):
-            close = difflib.get_close_matches(str(value), choices, n=1)
-            self.error(f"invalid {key}: {value!r}" + (f"({arg})" if arg is not None else ""),
-                       span, f"did you mean {close[0]!r}?" if close else
-                       f"choose one of {', '.join(choices)}")
-            return None
-        if key == "bias":
-            return value == "true"
-        if key == "activation":
-            return (value, arg)
-        return value
-
     # ---- the network ------------------------------------------------------------------------
+
+
+def option_value(key: str, value: Any, arg: float | None = None) -> Any:
+    """One option as a ``.tn`` file, Python or the command line gives it, validated against
+    the vocabularies in ``ir`` (the one validator of options). ``activation`` is a name,
+    ``"leaky_relu(0.1)"``, a name with ``arg`` (the file's ``leaky_relu(0.1)``) or a number
+    (the scale p_a), and comes back as ``(activation, activation_param)``; ``bias`` is a bool
+    or ``true``/``false``. Raises SpecError with a hint."""
+    if key == "activation":
+        if arg is not None and isinstance(value, str):
+            value = f"{value}({arg})"
+        return activation_from_python(value)
+    if key == "bias":
+        if isinstance(value, bool):
+            return value
+        if value in ("true", "false"):
+            return value == "true"
+        raise SpecError(f"invalid bias: {value!r}", hint="bias is true or false")
+    choices = {"init": INITS, "distribution": DISTRIBUTIONS, "stride_count": STRIDE_COUNTS}[key]
+    if not isinstance(value, str) or value not in choices or arg is not None:
+        close = difflib.get_close_matches(str(value), choices, n=1)
+        raise SpecError(f"invalid {key}: {value!r}" + (f"({arg})" if arg is not None else ""),
+                        hint=f"did you mean {close[0]!r}?" if close else
+                        f"choose one of {', '.join(choices)}")
+    return value
 
 
 def activation_from_python(value: str | float) -> tuple[str | float, float | None]:
@@ -180,7 +183,8 @@ def activation_from_python(value: str | float) -> tuple[str | float, float | Non
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         if value > 0 and math.isfinite(value):
             return float(value), None
-        raise SpecError(f"activation scale {value} must be a positive number")
+        raise SpecError(f"activation scale {float(value)} must be a positive number",
+                        hint="the scale p_a is 1 for linear/tanh, 0.5 for relu")
     match = re.fullmatch(r"\s*([a-z_]+)\s*(?:\(\s*([-+0-9.eE]+)\s*\))?\s*", str(value))
     if match and match.group(1) in ACTIVATIONS and (match.group(2) is None or
                                                     match.group(1) == "leaky_relu"):

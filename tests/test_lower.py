@@ -1,0 +1,75 @@
+"""Stage 5, lower (and the code it becomes): typed nodes, folded sizes, no needless copies."""
+
+from __future__ import annotations
+
+import traceback
+
+import pytest
+import torch
+
+import tnspec
+from tnspec.lower import lower
+from tnspec.plan import plan
+from tnspec.program import Call, Let, Param, Require, Var
+from tnspec.shapes import Size, bind_shape, conv_out
+
+
+def program(text: str, shape, planner: str = "left-to-right", **sizes):
+    return lower(plan(bind_shape(tnspec.compile(text, **sizes), shape), planner))
+
+
+def test_nodes_name_the_torch_callable_and_pass_cores_directly():
+    p = program("x[b, c, h+kh-1, w+kw-1], W[o, c, kh, kw] -> y[b, o, h, w]", (2, 3, 8, 8),
+                c=3, o=4, kh=3, kw=3)
+    (conv,) = [n for n in p.nodes if isinstance(n, Call)]
+    assert conv.fn == "F.conv2d" and conv.args == (Var("x"), Param("W"))
+    assert dict(conv.kwargs) == {"padding": 1}  # stride, dilation and groups left at default
+    assert conv.out == "y" and p.result == "y"
+
+
+def test_sizes_are_folded():
+    h, k = Size.of("h_in"), Size.of("kh")
+    assert str(conv_out(h, k, 1, 1, 1)) == "h_in - kh + 3"
+    assert conv_out(h, 3, 1, 1, 1) == h  # padding-preserving with a constant kernel
+    assert str(conv_out(h, k, 2, 1, 1)) == "(h_in - kh) // 2 + 2"
+    assert conv_out(h, k, 2, 1, 1).evaluate({"h_in": 9, "kh": 3}) == conv_out(9, 3, 2, 1, 1)
+    text = "layer l(c=2, o=3) {\n kh = 3\n x[b, c, h+kh-1], W[o, c, kh] -> y[b, o, h]\n}"
+    # h = h_in: nothing to compute or check, so the forward holds no size arithmetic at all
+    assert not [n for n in program(text, (2, 2, 7)).nodes if isinstance(n, (Let, Require))]
+    lets = [n for n in program(text.replace("kh = 3", "kh = c + 1"), (2, 2, 7)).nodes
+            if isinstance(n, Let)]
+    assert [(n.out, str(n.value)) for n in lets] == [("h", "h_in - kh + 3")]
+
+
+def test_grouped_modes_are_reshaped_once_each_way():
+    text = "x[b, (i0 i1)], A[i0, o0, r], B[r, i1, o1] -> y[b, (o0 o1)]"
+    p = program(text, (4, 6), i0=2, i1=3, o0=2, o1=2, r=2)
+    reshapes = [n for n in p.nodes if isinstance(n, Call) and n.fn == ".reshape"]
+    sources = [n.args[0] for n in reshapes]
+    assert len(set(sources)) == len(sources)  # no reshape of a reshape
+
+
+def test_backward_network_prints_spread_flip_and_explicit_padding():
+    layer = tnspec.layer("x[b, c, 2*h+kh-1], W[o, c, kh] -> y[b, o, h]", c=2, o=3, kh=3,
+                         bias=False)
+    x = torch.randn(2, 2, 9)
+    bwd = tnspec.backward(layer.network, x.shape)
+    fns = [n.fn for n in lower(plan(bind_shape(bwd, (2, 3, 5)))).nodes if isinstance(n, Call)]
+    assert {".flip", "F.pad", "F.conv1d"} <= set(fns)
+
+
+def test_tracebacks_show_the_generated_line():
+    layer = tnspec.layer("x[b, c], W[c, o] -> y[b, o]", c=2, o=3)
+    with pytest.raises(RuntimeError) as info:  # torch refuses integer data inside forward
+        layer(torch.ones(2, 2, dtype=torch.int64))
+    text = "".join(traceback.format_exception(info.value))
+    assert "<tnspec-generated-" in text
+    assert "y = F.linear(x, W_p)" in text
+
+
+def test_source_of_the_inline_layer_is_what_generate_writes():
+    text = "x[b, c, h+kh-1], U[c, r], V[r, o, kh] -> y[b, o, h]"
+    sizes = dict(c=4, r=2, o=3, kh=3)
+    layer = tnspec.layer(text, **sizes)
+    assert layer.source((5, 4, 11)) == tnspec.generate(text, shape={"b": 5, "h+kh-1": 11},
+                                                       **sizes)

@@ -1,0 +1,240 @@
+"""Shapes: symbolic sizes, the output-size formula, and binding a network to a data shape.
+
+Every stage that reasons about sizes uses this module: ``bind_shape`` (run-time sizes from the
+data's shape, for planning), ``check_shape`` (the error for a wrong shape), and
+:func:`conv_out` (PyTorch's output-size formula). ``conv_out`` is written once and evaluated
+both on ints (binding) and on :class:`Size` symbols (the code lowering emits), so the generated
+module computes sizes exactly as the planner did.
+
+A :class:`Size` is an integer polynomial in named sizes, with ``(...) // n`` kept as an atom
+when it does not divide exactly. Arithmetic folds constants as it goes, so a stride-1 conv with
+padding 1 gives ``h_in + 3 - kh``, and ``h_in`` once the kernel size is a constant.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Mapping, Sequence, Union
+
+from .errors import SpecError
+from .ir import Network, Tensor
+
+Atom = Union[str, "FloorDiv"]
+Monomial = tuple  # sorted tuple of atoms; () is the constant term
+
+
+@dataclass(frozen=True)
+class FloorDiv:
+    """``num // den`` that does not simplify (an atom of a :class:`Size`)."""
+
+    num: "Size"
+    den: "int | Size"
+
+    def __str__(self) -> str:
+        den = self.den if isinstance(self.den, int) else num_text(self.den)
+        return f"{num_text(self.num)} // {den}"
+
+
+def num_text(s: "Size") -> str:
+    """``s`` parenthesized unless it is a single name or number."""
+    text = str(s)
+    return text if s.is_atomic() else f"({text})"
+
+
+@dataclass(frozen=True)
+class Size:
+    """A polynomial over named sizes: ``terms`` maps monomials to integer coefficients."""
+
+    terms: tuple[tuple[Monomial, int], ...] = ()
+
+    @staticmethod
+    def of(value: "int | str | Size") -> "Size":
+        if isinstance(value, Size):
+            return value
+        if isinstance(value, str):
+            return Size((((value,), 1),))
+        return Size((((), int(value)),)) if value else Size()
+
+    @staticmethod
+    def _make(acc: dict) -> "Size":
+        return Size(tuple(sorted(((m, c) for m, c in acc.items() if c),
+                                 key=lambda mc: [str(a) for a in mc[0]])))
+
+    def __add__(self, other: "int | str | Size") -> "Size":
+        acc = dict(self.terms)
+        for m, c in Size.of(other).terms:
+            acc[m] = acc.get(m, 0) + c
+        return Size._make(acc)
+
+    __radd__ = __add__
+
+    def __neg__(self) -> "Size":
+        return Size(tuple((m, -c) for m, c in self.terms))
+
+    def __sub__(self, other: "int | str | Size") -> "Size":
+        return self + -Size.of(other)
+
+    def __rsub__(self, other: "int | str | Size") -> "Size":
+        return Size.of(other) - self
+
+    def __mul__(self, other: "int | str | Size") -> "Size":
+        acc: dict = {}
+        for m1, c1 in self.terms:
+            for m2, c2 in Size.of(other).terms:
+                m = tuple(sorted(m1 + m2, key=str))
+                acc[m] = acc.get(m, 0) + c1 * c2
+        return Size._make(acc)
+
+    __rmul__ = __mul__
+
+    def __floordiv__(self, den: "int | Size") -> "Size":
+        if isinstance(den, Size):
+            if den.constant is None:
+                return Size((((FloorDiv(self, den),), 1),))
+            den = den.constant
+        if den == 1:
+            return self
+        if all(c % den == 0 for _, c in self.terms):
+            return Size(tuple((m, c // den) for m, c in self.terms))
+        const = self.constant
+        if const is not None:
+            return Size.of(const // den)
+        # (A + q*den) // den == A // den + q for any integer q: move the multiple out
+        q = dict(self.terms).get((), 0) // den
+        return Size((((FloorDiv(self - q * den, den),), 1),)) + q
+
+    @property
+    def constant(self) -> int | None:
+        """The value, if the size is a number."""
+        if not self.terms:
+            return 0
+        if len(self.terms) == 1 and self.terms[0][0] == ():
+            return self.terms[0][1]
+        return None
+
+    def is_atomic(self) -> bool:
+        if self.constant is not None:
+            return self.constant >= 0
+        if len(self.terms) != 1:
+            return False
+        m, c = self.terms[0]
+        return c == 1 and len(m) == 1 and isinstance(m[0], str)
+
+    def atoms(self) -> set[str]:
+        """Every name the size reads."""
+        names: set[str] = set()
+        for m, _ in self.terms:
+            for a in m:
+                names |= {a} if isinstance(a, str) else a.num.atoms() | (
+                    a.den.atoms() if isinstance(a.den, Size) else set())
+        return names
+
+    def __str__(self) -> str:
+        if not self.terms:
+            return "0"
+        # positive terms first, the constant last: h_in - kh + 3
+        ordered = sorted(self.terms, key=lambda mc: (mc[0] == (), mc[1] < 0))
+        text = ""
+        for m, c in ordered:
+            mag = abs(c)
+            alone = len(m) == 1 and mag == 1  # // binds like *: parenthesize inside a product
+            parts = [str(a) if isinstance(a, str) or alone else f"({a})" for a in m]
+            body = " * ".join(([str(mag)] if mag != 1 or not parts else []) + parts)
+            if not text:
+                text = ("-" if c < 0 else "") + body
+            else:
+                text += (" - " if c < 0 else " + ") + body
+        return text
+
+    def evaluate(self, env: Mapping[str, int]) -> int:
+        total = 0
+        for m, c in self.terms:
+            v = c
+            for a in m:
+                v *= env[a] if isinstance(a, str) else a.num.evaluate(env) // (
+                    a.den if isinstance(a.den, int) else a.den.evaluate(env))
+            total += v
+        return total
+
+
+def conv_out(n, k, stride: int, dilation: int, padding, input_dilation: int = 1):
+    """PyTorch's output size of a convolution over ``n`` positions (after spreading the data by
+    ``input_dilation``, the reproducing transformation's T): ints or :class:`Size` alike."""
+    spread = (n - 1) * input_dilation + 1
+    return (spread + 2 * padding - dilation * (k - 1) - 1) // stride + 1
+
+
+def axis_text(axis: Sequence[str]) -> str:
+    """An axis as the spec writes it: ``c`` or ``(c0 c1)``."""
+    return axis[0] if len(axis) == 1 else "(" + " ".join(axis) + ")"
+
+
+def shape_message(name: str, expected: Sequence[tuple[str, int | None]],
+                  shape: Sequence[int]) -> str:
+    want = ", ".join(f"{t}={d}" if d is not None else t for t, d in expected)
+    return f"{name}: expected shape [{want}], got {list(shape)}"
+
+
+def check_shape(name: str, expected: Sequence[tuple[str, int | None]],
+                shape: Sequence[int]) -> None:
+    """Raise ValueError unless ``shape`` has the expected rank and static axis sizes."""
+    if len(shape) != len(expected) or any(
+            d is not None and shape[n] != d for n, (_, d) in enumerate(expected)):
+        raise ValueError(shape_message(name, expected, shape))
+
+
+def expected_axes(t: Tensor, sizes: Mapping[str, int]) -> list[tuple[str, int | None]]:
+    """Each axis of ``t`` as (text, its size if every member's size is known)."""
+    return [(axis_text(a), math.prod(sizes[i] for i in a) if all(i in sizes for i in a)
+             else None) for a in t.axes]
+
+
+def bind_shape(net: Network, shape: Sequence[int]) -> Network:
+    """``net`` with its run-time sizes bound from the data's ``shape``: batch and spatial
+    sizes, the one unsized member of a group, and every conv target. Raises ValueError naming
+    the expected size."""
+    t = net.input
+    sizes = net.sizes
+    check_shape(t.name, expected_axes(t, sizes), shape)
+    bound: dict[str, int] = {}
+    for axis, n in zip(t.axes, shape):
+        unknown = [i for i in axis if i not in sizes]
+        if len(axis) == 1 and unknown:
+            bound[axis[0]] = int(n)
+        elif unknown:
+            known = math.prod(sizes[i] for i in axis if i in sizes)
+            if n % known:
+                raise ValueError(f"{t.name}: axis {axis_text(axis)} has size {n}, not a "
+                                 f"multiple of {known}")
+            bound[unknown[0]] = int(n) // known
+    for c in net.convs:
+        if c.target not in sizes:
+            k = sizes[c.kernel] if c.kernel else 1
+            bound[c.target] = conv_out(bound[c.source], k, c.stride, c.dilation, c.padding,
+                                       c.input_dilation)
+            if bound[c.target] < 1:
+                raise ValueError(f"{t.name}: axis {c.text} of size {bound[c.source]} is too "
+                                 f"small for kernel {k} (dilation {c.dilation}, padding "
+                                 f"{c.padding}): the output size would be {bound[c.target]}")
+    return net.bind(bound)
+
+
+def example_shape(net: Network, given: Mapping[str, int], default: int = 32) -> tuple[int, ...]:
+    """An input shape for planning: static axes from the sizes, the others from ``given``
+    (spatial axes by their output index or their affine text), else ``default``."""
+    sizes = net.sizes
+    known = set(sizes) | {c.source for c in net.convs} | {c.target for c in net.convs} | \
+        set(net.input.indices)
+    for key in given:
+        if key not in known:
+            raise SpecError(f"--shape names {key!r}, which is not an index of the input",
+                            hint="name batch indices and spatial output indices, e.g. b=32,h=32")
+    by_source = {c.source: c.target for c in net.convs}
+    dims = []
+    for axis in net.input.axes:
+        n = 1
+        for i in axis:
+            n *= sizes.get(i) or given.get(i) or given.get(by_source.get(i, i)) or default
+        dims.append(n)
+    return tuple(dims)
