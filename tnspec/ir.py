@@ -40,7 +40,7 @@ DEFAULT_MAX_ELEMENTS = 2**31
 
 
 class Role(str, Enum):
-    """What an index does in the network (DESIGN.md section 1)."""
+    """What an index does in the network (the README, "The language")."""
 
     BATCH = "batch"              # data and result, no core: carried through untouched
     PARALLEL = "parallel"        # data, core and result: depthwise / grouped
