@@ -32,8 +32,8 @@ def load(source: str, tmp_path, name: str = "generated"):
 
 
 def class_for(module, net):
-    from tnspec.codegen import _class_name
-    return getattr(module, _class_name(net))
+    from tnspec.codegen import class_name
+    return getattr(module, class_name(net))
 
 
 def assert_same(inline: torch.nn.Module, generated: torch.nn.Module, x: torch.Tensor) -> None:

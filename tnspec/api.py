@@ -225,8 +225,7 @@ class Layer(nn.Module):
         return cls
 
     def _planned(self, shape: tuple[int, ...]) -> type:
-        the_plan = self.plan(shape)
-        return runtime.layer_class(self.network, lower(the_plan), summary_line(the_plan))
+        return runtime.layer_class(self.network, self.plan(shape))
 
     def _fastest(self, shape: tuple[int, ...], repeats: int = 3) -> type:
         """Time every distinct candidate order (forward and backward) and keep the fastest.
@@ -241,8 +240,7 @@ class Layer(nn.Module):
                 continue
             key = tuple((s.left.indices, s.right.indices, s.op) for s in candidate.steps)
             if key not in candidates:
-                candidates[key] = runtime.layer_class(self.network, lower(candidate),
-                                                      summary_line(candidate))
+                candidates[key] = runtime.layer_class(self.network, candidate)
         first = next(iter(self.parameters()))
         gen = torch.Generator(device=first.device).manual_seed(0)
         best: tuple[float, type] | None = None
@@ -324,8 +322,7 @@ def contract(spec: str | Network, x: torch.Tensor, /, cores: Mapping[str, torch.
         if tuple(cores[core.name].shape) != want:
             raise SpecError(f"core {core.name!r} has shape {list(cores[core.name].shape)}, but "
                             f"{core.name}[{', '.join(core.indices)}] is {list(want)}")
-    the_plan = plan(bind_shape(net, tuple(x.shape)), planner)
-    cls = runtime.layer_class(net, lower(the_plan), summary_line(the_plan))
+    cls = runtime.layer_class(net, plan(bind_shape(net, tuple(x.shape)), planner))
     if bias is not None and not (net.options.bias and bias_shape(net)):
         bias = None  # e.g. a layer's bias, given with its cores to its backward network
     module = SimpleNamespace(sizes=net.sizes, bias=bias, **cores)

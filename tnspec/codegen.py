@@ -66,19 +66,12 @@ def class_name(net: Network) -> str:
     return name
 
 
-_class_name = class_name  # the name the tests have always used
-
-
 def _attr(name: str) -> str:
     return f"self.{name}" if name.isidentifier() and not keyword.iskeyword(name) else \
         f"getattr(self, {name!r})"
 
 
 def _comment(text: str, indent: str) -> list[str]:
-    return _comment_lines(text, indent)
-
-
-def _comment_lines(text: str, indent: str) -> list[str]:
     return [indent + "# " + line for line in textwrap.wrap(
         text, WIDTH - len(indent) - 2, break_long_words=False, break_on_hyphens=False)]
 

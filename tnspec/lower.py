@@ -83,14 +83,7 @@ class _Lowering:
             perm = tuple(layout.index(i) for i in order)
             holder = self.call(base + "_p", ".permute", holder, *perm, layout=tuple(order),
                                dims=[self.dims[holder][p] for p in perm])
-        if _same_shape(self.dims[holder], shape):
-            return holder
-        source = self.reshaped.get(holder, holder) if isinstance(holder, Var) else holder
-        dims = [d for d in shape]
-        out = self.call(base + "_r", ".reshape", source, *shape, layout=tuple(order),
-                        dims=[Size.of(0) if d == -1 else d for d in dims])
-        self.reshaped[out] = source
-        return out
+        return self.reshape_to(holder, order, shape, base + "_r")
 
     def batch_dim(self, holder: Var | Param, batch: Sequence[str]) -> Size | int:
         """The flattened batch axis of a conv's input: the axis itself when there is one,
@@ -99,13 +92,16 @@ class _Lowering:
             return -1
         return self.dim(holder, batch[0]) if batch else Size.of(1)
 
-    def reshape_to(self, holder: Var, layout: Sequence[str], dims: Sequence[Size],
-                   base: str) -> Var:
-        if _same_shape(self.dims[holder], list(dims)):
+    def reshape_to(self, holder: Var | Param, layout: Sequence[str], shape: Shape,
+                   base: str) -> Var | Param:
+        """``holder`` reshaped to ``shape`` unless it has that shape; a reshape of a reshape
+        reshapes the original instead."""
+        if _same_shape(self.dims[holder], list(shape)):
             self.layout[holder] = tuple(layout)
             return holder
-        source = self.reshaped.get(holder, holder)
-        out = self.call(base, ".reshape", source, *dims, layout=tuple(layout), dims=dims)
+        source = self.reshaped.get(holder, holder) if isinstance(holder, Var) else holder
+        out = self.call(base, ".reshape", source, *shape, layout=tuple(layout),
+                        dims=[Size.of(0) if d == -1 else d for d in shape])
         self.reshaped[out] = source
         return out
 
@@ -194,9 +190,8 @@ class _Lowering:
                            comment=f"spread {axis} by {factor}: {factor - 1} zeros after each "
                                    "entry (the reproducing transformation's T)")
         dims[n] = dims[n] * factor
-        out = self.call(holder.name + "_spread", ".reshape", padded, *dims, layout=layout,
-                        dims=dims)
-        return out
+        return self.call(holder.name + "_spread", ".reshape", padded, *dims, layout=layout,
+                         dims=dims)
 
     def subsample(self, holder: Var | Param, c: Any) -> Var | Param:
         """A relation without kernel: positions -p, s-p, 2s-p, ... of the data axis."""

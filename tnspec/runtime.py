@@ -15,7 +15,8 @@ from typing import Any
 
 from . import codegen
 from .ir import Network
-from .program import Program
+from .lower import lower
+from .plan import Plan
 
 #: compiled modules kept (each is a few functions); the oldest is dropped beyond this
 CACHE_SIZE = 512
@@ -41,9 +42,11 @@ def load_class(source: str, name: str) -> type:
     return cls
 
 
-def layer_class(network: Network, program: Program | None, summary: str = "") -> type:
-    """The generated class of one layer (with ``forward`` when ``program`` is given)."""
-    source = codegen.generate([codegen.LayerCode(network, program, summary)])
+def layer_class(network: Network, plan: Plan | None) -> type:
+    """The generated class of one layer, with the ``forward`` of ``plan`` when one is given."""
+    layer = codegen.LayerCode(network, None) if plan is None else \
+        codegen.LayerCode(network, lower(plan), codegen.summary_line(plan))
+    source = codegen.generate([layer])
     return load_class(source, codegen.class_name(network))
 
 
