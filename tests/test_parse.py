@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tnspec import SpecError
-from tnspec.parse import MAX_PAREN_DEPTH, MAX_SOURCE_CHARS, parse
+from tnspec.parse import MAX_EXPR_TERMS, MAX_PAREN_DEPTH, MAX_SOURCE_CHARS, parse
 
 
 def layer0(text: str):
@@ -104,14 +104,57 @@ def test_deep_nesting_gives_spec_error_not_recursion_error():
         parse(deep)
 
 
-def test_long_flat_sums_do_not_recurse():
-    # 20000 terms: flat grammar repetition, no recursion in Lark or in the AST builder
-    text = "layer a(c=1) { k = " + " + ".join(["1"] * 20000) + "\n x[b, t+k-1], W[k] -> y[b, t] }"
-    lay = layer0(text)
-    assert lay.derived[0].name == "k"
+def test_long_flat_sums_are_flat_up_to_the_limit_and_refused_beyond():
+    # flat grammar repetition and a flat AST: no recursion in Lark or in the builder
+    text = "layer a(c=1) {{ k = {}\n x[b, t+k-1], W[k] -> y[b, t] }}"
+    lay = layer0(text.format(" + ".join(["1"] * MAX_EXPR_TERMS)))
+    assert lay.derived[0].expr.op == "chain" and len(lay.derived[0].expr.args) == MAX_EXPR_TERMS
+    with pytest.raises(SpecError, match=r"size expression has 20000 operands, more than the "
+                       r"limit of 256") as info:
+        layer0(text.format(" + ".join(["1"] * 20000)))
+    assert (info.value.line, info.value.column) == (1, 20)
 
 
 def test_many_operands_parse_in_linear_time():
     cores = ", ".join(f"W{i}[r{i}, r{i + 1}]" for i in range(3000))
     doc = parse(f"x[b, r0], {cores} -> y[b, r3000]")
     assert len(doc.layers[0].networks[0].operands) == 3001
+
+
+def test_a_byte_order_mark_is_not_text():
+    doc = parse("\ufefflayer a(i=2) {\n  x[b, i], W[i] -> y[b]\n}\n")
+    assert doc.layers[0].name == "a" and doc.layers[0].name_span.column == 7
+
+
+def test_a_layer_name_given_twice_is_refused_at_the_second():
+    text = "layer a(i=2) {\n x[b, i], W[i] -> y[b]\n}\nlayer a(i=3) {\n x[b, i], W[i] -> y[b]\n}"
+    with pytest.raises(SpecError, match=r"layer 'a' is defined twice \(first at line 1\)") as info:
+        parse(text)
+    assert (info.value.line, info.value.column) == (4, 7)
+
+
+def test_picking_a_layer_does_not_scan_the_file():
+    from tnspec.check import select_layer
+    doc = parse("\n".join(f"layer a{i}(i=2) {{ x[b, i], W[i] -> y[b] }}" for i in range(50)))
+    assert select_layer(doc, "a49").name == "a49"  # builds the index once
+
+    class Unscannable(tuple):
+        def __iter__(self):
+            raise AssertionError("scanned the layers")
+    object.__setattr__(doc, "layers", Unscannable(doc.layers))
+    assert select_layer(doc, "a7").name == "a7"
+
+
+def test_many_errors_split_the_source_once_and_show_a_capped_list():
+    from tnspec import errors
+    from tnspec.api import compile
+    errors._lines.cache_clear()
+    text = "x[b, " + ", ".join(f"q{i}" for i in range(2000)) + "], W[i] -> y[b]"
+    with pytest.raises(SpecError) as info:
+        compile(text)
+    assert len(info.value.errors) > 2000
+    assert errors._lines.cache_info().misses == 1
+    shown = str(info.value)
+    assert shown.count("\nhint:") == errors.MAX_SHOWN_ERRORS
+    assert shown.endswith(f"... and {len(info.value.errors) - errors.MAX_SHOWN_ERRORS} more "
+                          "(all of them are in the error's .errors)")

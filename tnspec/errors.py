@@ -15,7 +15,11 @@ When the checker finds several problems at once, the first one is the error and 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
+
+#: errors shown by ``str()`` (all of them stay in ``errors``)
+MAX_SHOWN_ERRORS = 20
 
 
 @dataclass(frozen=True)
@@ -91,21 +95,30 @@ class SpecError(ValueError):
     def _render_all(self) -> str:
         if len(self.errors) == 1:
             return self.render()
-        rest = "\n".join(e.render() for e in self.errors)
+        rest = "\n".join(e.render() for e in self.errors[:MAX_SHOWN_ERRORS])
+        more = len(self.errors) - MAX_SHOWN_ERRORS
+        if more > 0:
+            rest += f"\n... and {more} more (all of them are in the error's .errors)"
         return f"{len(self.errors)} errors in spec:\n{rest}"
 
 
 _EXCERPT_WIDTH = 100
 
 
+@functools.lru_cache(maxsize=8)
+def _lines(source: str) -> list[str]:
+    """The source's lines, split once for all the errors in it (a str caches its hash)."""
+    return source.split("\n")
+
+
 def _excerpt(source: str | None, span: Span | None) -> str:
     """The span's source line (shortened around the span if long) with carets under the span."""
     if source is None or span is None or span.line < 1:
         return ""
-    lines = source.split("\n")
+    lines = _lines(source)
     if span.line > len(lines):
         return ""
-    text = lines[span.line - 1].expandtabs(1)
+    text = lines[span.line - 1]
     start = max(span.column - 1, 0)
     end = span.end_column - 1 if span.end_line == span.line else len(text)
     end = min(max(end, start + 1), max(len(text), start + 1))
@@ -117,4 +130,5 @@ def _excerpt(source: str | None, span: Span | None) -> str:
         shift = 3 if offset else 0
         start, end = start - offset + shift, min(end - offset, _EXCERPT_WIDTH) + shift
     width = max(1, min(end - start, _EXCERPT_WIDTH))
+    text = text.replace("\t", " ")  # one column per character, as the caret counts
     return f"  {text}\n  {' ' * start}{'^' * width}"

@@ -23,6 +23,7 @@ from .errors import Span, SpecError
 MAX_SOURCE_CHARS = 1_000_000
 MAX_PAREN_DEPTH = 32
 MAX_INT_DIGITS = 18
+MAX_EXPR_TERMS = 256  # operands of one size expression: Python compiles the formula
 
 
 # ---- AST ------------------------------------------------------------------------------------
@@ -67,10 +68,12 @@ class NetworkNode:
 
 @dataclass(frozen=True)
 class SizeExpr:
-    """A size expression: ``op`` is "int", "name", or one of + - * // with two ``args``."""
+    """A size expression: ``op`` is "int", "name", or "chain": ``args`` joined left to right by
+    the operators in ``value`` (+ - in a sum, * // in a product; one fewer than ``args``). A
+    chain is flat, so a long sum is not a deep tree."""
 
     op: str
-    value: int | str | None
+    value: int | str | tuple[str, ...]
     args: tuple["SizeExpr", ...]
     span: Span
 
@@ -119,6 +122,11 @@ class Document:
     source: str
     is_file: bool
 
+    @functools.cached_property
+    def by_name(self) -> dict[str | None, LayerNode]:
+        """The layers by name (names are unique: the builder refuses a repeated one)."""
+        return {lay.name: lay for lay in self.layers}
+
 
 # ---- entry point ----------------------------------------------------------------------------
 
@@ -126,7 +134,10 @@ class Document:
 def parse(source: str) -> Document:
     """Parse an expression or the text of a ``.tn`` file. Raises :class:`SpecError`."""
     if not isinstance(source, str):
-        raise SpecError(f"a spec must be a str, not {type(source).__name__}")
+        raise SpecError(f"a spec must be a str, not {type(source).__name__}",
+                        hint="pass the spec text; read a file with open(path).read()")
+    if source.startswith("\ufeff"):  # a UTF-8 byte-order mark, as some editors write
+        source = source[1:]
     if len(source) > MAX_SOURCE_CHARS:
         raise SpecError(
             f"spec is {len(source):,} characters long, more than the limit of {MAX_SOURCE_CHARS:,}",
@@ -258,6 +269,10 @@ def _syntax_error(exc: UnexpectedInput, source: str) -> SpecError:
 # ---- tree -> AST ----------------------------------------------------------------------------
 
 
+def _operands(e: SizeExpr) -> int:
+    return sum(_operands(a) for a in e.args) if e.op == "chain" else 1
+
+
 def _span(node: lark.Tree | lark.Token) -> Span:
     if isinstance(node, lark.Token):
         return Span(node.line or 1, node.column or 1, node.end_line or 1, node.end_column or 1)
@@ -285,7 +300,16 @@ class _Builder:
             net = self.network(children[0])
             layer = LayerNode(None, None, (), (), (), (net,), net.span)
             return Document((layer,), self.source, is_file=False)
-        return Document(tuple(self.layer(c) for c in children), self.source, is_file=True)
+        layers: dict[str, LayerNode] = {}
+        for child in children:
+            lay = self.layer(child)
+            first = layers.setdefault(str(lay.name), lay)
+            if first is not lay:
+                assert first.name_span is not None
+                raise SpecError(f"layer {lay.name!r} is defined twice (first at line "
+                                f"{first.name_span.line})", span=lay.name_span,
+                                source=self.source, hint="give each layer its own name")
+        return Document(tuple(layers.values()), self.source, is_file=True)
 
     def layer(self, tree: lark.Tree) -> LayerNode:
         name_tok = tree.children[0]
@@ -298,8 +322,13 @@ class _Builder:
                 params += [Param(str(p.children[0]), self.int_(p.children[1]), _span(p))
                            for p in child.children]
             elif child.data == "derived":
-                derived.append(Derived(str(child.children[0]), self.size_expr(child.children[1]),
-                                       _span(child)))
+                expr = self.size_expr(child.children[1])
+                if _operands(expr) > MAX_EXPR_TERMS:
+                    raise SpecError(f"size expression has {_operands(expr)} operands, more "
+                                    f"than the limit of {MAX_EXPR_TERMS}", span=expr.span,
+                                    source=self.source, hint="split it into several derived "
+                                    "sizes (each may use the ones above it)")
+                derived.append(Derived(str(child.children[0]), expr, _span(child)))
             elif child.data == "option":
                 options.append(self.option(child))
             else:
@@ -327,14 +356,14 @@ class _Builder:
             if tree.type == "INT":
                 return SizeExpr("int", self.int_(tree), (), _span(tree))
             return SizeExpr("name", str(tree), (), _span(tree))
-        # sum / product: operand (OP operand)*, folded left to right
+        # sum / product: operand (OP operand)*, kept flat
         items = tree.children
-        acc = self.size_expr(items[0])
-        for op, rhs in zip(items[1::2], items[2::2]):
-            right = self.size_expr(rhs)
-            span = Span(acc.span.line, acc.span.column, right.span.end_line, right.span.end_column)
-            acc = SizeExpr(str(op), None, (acc, right), span)
-        return acc
+        if len(items) == 1:
+            return self.size_expr(items[0])
+        args = tuple(self.size_expr(t) for t in items[::2])
+        span = Span(args[0].span.line, args[0].span.column, args[-1].span.end_line,
+                    args[-1].span.end_column)
+        return SizeExpr("chain", tuple(str(op) for op in items[1::2]), args, span)
 
     def network(self, tree: lark.Tree) -> NetworkNode:
         *operands, _arrow, output = tree.children

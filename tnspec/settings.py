@@ -7,7 +7,6 @@ can show every error at once.
 from __future__ import annotations
 
 import difflib
-import math
 import operator
 import re
 from typing import Any, Callable
@@ -19,6 +18,10 @@ from .parse import LayerNode, SizeExpr
 Report = Callable[[str, "Span | None", "str | None"], None]
 
 _OPTION_KEYS = ("init", "activation", "bias", "distribution", "stride_count")
+#: the activation scale p_a and the leaky_relu slope a (p_a = (1 + a^2) / 2) stay in ranges whose
+#: stds are finite, nonzero floats for any layer size
+SCALE_RANGE = (1e-6, 1e6)
+MAX_SLOPE = 1e3
 _OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul, "//": operator.floordiv}
 
 
@@ -103,17 +106,21 @@ class SizeBinder:
                            "define it as a parameter or above this line")
                 return None
             return env[str(e.value)]
-        a, b = (self.evaluate(x, env) for x in e.args)
-        if a is None or b is None:
+        values = [self.evaluate(x, env) for x in e.args]  # recursion only into parentheses
+        if None in values:
             return None
-        if e.op == "//" and b == 0:
-            self.error("division by zero", e.span, "the divisor evaluates to 0")
-            return None
-        result = _OPS[e.op](a, b)
-        if abs(result) > 2**62:
-            self.error("size expression is too large", e.span,
-                       "sizes are small integers")
-            return None
+        result = values[0]
+        for op, arg, b in zip(e.value, e.args[1:], values[1:]):
+            if op == "//" and b == 0:
+                first = e.args[0].span
+                self.error("division by zero", Span(first.line, first.column, arg.span.end_line,
+                                                    arg.span.end_column),
+                           "the divisor evaluates to 0")
+                return None
+            result = _OPS[op](result, b)
+            if abs(result) > 2**62:
+                self.error("size expression is too large", e.span, "sizes are small integers")
+                return None
         return result
 
     # ---- options ----------------------------------------------------------------------------
@@ -160,7 +167,7 @@ def option_value(key: str, value: Any, arg: float | None = None) -> Any:
     or ``true``/``false``. Raises SpecError with a hint."""
     if key == "activation":
         if arg is not None and isinstance(value, str):
-            value = f"{value}({arg})"
+            value = f"{value}({arg!r})"  # inf (from 1e400) gets the slope's range error
         return activation_from_python(value)
     if key == "bias":
         if isinstance(value, bool):
@@ -181,17 +188,24 @@ def activation_from_python(value: str | float) -> tuple[str | float, float | Non
     """An activation given from Python: ``"relu"``, ``"leaky_relu(0.1)"`` or a number (the
     scale p_a), as ``(activation, activation_param)``; a SpecError otherwise."""
     if isinstance(value, (int, float)) and not isinstance(value, bool):
-        if value > 0 and math.isfinite(value):
+        if SCALE_RANGE[0] <= value <= SCALE_RANGE[1]:
             return float(value), None
-        raise SpecError(f"activation scale {float(value)} must be a positive number",
+        raise SpecError(f"activation scale {float(value)} is outside [{SCALE_RANGE[0]:g}, "
+                        f"{SCALE_RANGE[1]:g}]",
                         hint="the scale p_a is 1 for linear/tanh, 0.5 for relu")
-    match = re.fullmatch(r"\s*([a-z_]+)\s*(?:\(\s*([-+0-9.eE]+)\s*\))?\s*", str(value))
+    match = re.fullmatch(r"\s*([a-z_]+)\s*(?:\(\s*([-+0-9.eE]+|[-+]?inf)\s*\))?\s*",
+                         str(value))
     if match and match.group(1) in ACTIVATIONS and (match.group(2) is None or
                                                     match.group(1) == "leaky_relu"):
         try:
-            return match.group(1), None if match.group(2) is None else float(match.group(2))
+            slope = None if match.group(2) is None else float(match.group(2))
         except ValueError:
-            pass
+            slope = None
+        else:
+            if slope is None or abs(slope) <= MAX_SLOPE:
+                return match.group(1), slope
+            raise SpecError(f"leaky_relu slope {match.group(2)} is outside [-{MAX_SLOPE:g}, "
+                            f"{MAX_SLOPE:g}]", hint="slopes are usually 0.01 to 0.3")
     close = difflib.get_close_matches(str(value), ACTIVATIONS, n=1)
     raise SpecError(f"invalid activation: {value!r}",
                     hint=f"did you mean {close[0]!r}?" if close else
