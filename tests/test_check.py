@@ -280,7 +280,8 @@ def test_options_errors():
     base = "layer l(i=2, o=2) {{\n {}\n x[b, i], W[i, o] -> y[b, o]\n}}"
     located(base.format("init: grph-in"), "invalid init: 'grph-in'", 2, 2)
     located(base.format("initt: graph-in"), "unknown option 'initt'", 2, 2)
-    located(base.format("activation: -1"), "activation scale -1.0 must be a positive", 2, 2)
+    located(base.format("activation: -1"), r"activation scale -1.0 is outside \[1e-06, 1e\+06\]",
+            2, 2)
     located(base.format("bias: maybe"), "invalid bias: 'maybe'", 2, 2)
     located(base.format("init: graph-in\n init: graph-out"), "option 'init' is given twice", 3, 2)
 
@@ -305,3 +306,74 @@ def test_all_errors_are_reported_at_once():
     assert str(info.value).startswith("3 errors in spec:")
     assert any("negative padding" in m for m in messages)
     assert any("'z'" in m for m in messages) and any("'q'" in m for m in messages)
+
+
+# ---- inputs that used to pass the checks and crash later -----------------------------------
+
+
+@pytest.mark.parametrize("name", ["__class__", "__c"])
+def test_names_python_would_mangle_are_refused(name):
+    located(f"x[b, {name}], W[{name}, o] -> y[b, o]", f"index '{name}': names starting with "
+            "'__' are reserved", 1, 6, sizes={name: 2}, o=3)
+    located(f"layer a({name}=2, o=3) {{\n  k = {name}\n  x[b, c], W[c, o, k] -> y[b, o]\n}}",
+            f"size '{name}': names starting with '__' are reserved", 1, 9, c=2)
+
+
+@pytest.mark.parametrize("text", ["x[b, c, h], W[c, o] -> y[b, (o h)]",
+                                  "x[b, c], W[c, o] -> y[(b o)]"])
+def test_an_output_group_may_not_mix_core_and_input_indices(text):
+    located(text, r"output group \(.*\) mixes 'o', carried by a core, with '[bh]', which comes "
+            "from the input", 1, text.index("(") + 1, c=2, o=3)
+
+
+@pytest.mark.parametrize("activation, message", [
+    ("leaky_relu(1e200)", r"leaky_relu slope 1e\+200 is outside \[-1000, 1000\]"),
+    ("leaky_relu(1e308)", r"leaky_relu slope 1e\+308 is outside"),
+    ("leaky_relu(1e400)", r"leaky_relu slope inf is outside"),
+    ("1e-320", r"activation scale 1e-320 is outside \[1e-06, 1e\+06\]"),
+])
+def test_activation_parameters_that_overflow_the_init_are_refused(activation, message):
+    located(f"layer a(i=2, o=2) {{\n activation: {activation}\n x[b, i], W[i, o] -> y[b, o]\n}}",
+            message, 2, 2)
+
+
+@pytest.mark.parametrize("init", ["graph-in", "kaiming-in", "xavier", "orthogonal"])
+def test_tiny_leaky_slopes_give_finite_nonzero_cores(init):
+    layer = tnspec.layer("x[b, c], A[c, r], B[r, o] -> y[b, o]", c=64, r=8, o=64, init=init,
+                         activation="leaky_relu(1e-320)")
+    for core in (layer.A, layer.B):
+        assert torch.isfinite(core).all() and core.abs().max() > 0
+
+
+def test_a_bias_too_large_to_allocate_is_refused_before_allocating():
+    located("x[b, i], A[i, o1], B[o2], C[o3] -> y[b, o1, o2, o3]", "the bias over the output's "
+            "core indices would have 2,199,023,255,552 elements, more than the limit", 1, 36,
+            i=2, o1=2, o2=2**20, o3=2**20)
+    net = tnspec.compile("x[b, i], A[i, o1], B[o2] -> y[b, o1, o2]", i=2, o1=2, o2=8,
+                         max_elements=16)
+    assert net.sizes["o2"] == 8
+
+
+def chain(n: int) -> tuple[str, dict[str, int]]:
+    cores = ", ".join(f"A{i}[r{i}, r{i + 1}]" for i in range(n))
+    return f"x[b, r0], {cores} -> y[b, r{n}]", {f"r{i}": 2 for i in range(n + 1)}
+
+
+def test_more_than_max_cores_is_refused():
+    from tnspec.check import MAX_CORES
+    text, sizes = chain(MAX_CORES + 1)
+    located(text, f"the network has {MAX_CORES + 1} cores, more than the limit of {MAX_CORES}",
+            1, text.index(f"A{MAX_CORES}[") + 1, sizes=sizes)
+    text, sizes = chain(MAX_CORES)
+    assert len(tnspec.compile(text, sizes=sizes).cores) == MAX_CORES
+
+
+def test_a_size_for_a_spatial_index_is_refused_not_ignored():
+    located("x[b, c, h+k-1], W[c, k] -> y[b, h]", "size h=5 is given for a spatial index; it "
+            "would be ignored", 1, 9, c=2, k=3, h=5)
+
+
+def test_a_layer_name_for_an_expression_says_so():
+    with pytest.raises(SpecError, match="name='foo' picks a layer of a .tn file, but this spec "
+                       "is a single expression"):
+        tnspec.layer("x[b, i], W[i, o] -> y[b, o]", name="foo", i=2, o=3)

@@ -8,11 +8,13 @@ All problems found are raised together as one :class:`SpecError` whose ``errors`
 from __future__ import annotations
 
 import difflib
+import math
 from dataclasses import replace
 from typing import Any, Mapping
 
 from .errors import Span, SpecError
-from .ir import DEFAULT_MAX_ELEMENTS, Conv, Index, Network, Options, Role, Tensor, assign_roles
+from .ir import (DEFAULT_MAX_ELEMENTS, MAX_CONV_DIMS, Conv, Index, Network, Options, Role, Tensor,
+                 assign_roles)
 from .parse import Document, IndexNode, LayerNode, NetworkNode, OperandNode, SizeExpr
 from .settings import SizeBinder, read_options
 
@@ -29,9 +31,13 @@ RESERVED_NAMES = frozenset("""
     register_state_dict_post_hook register_state_dict_pre_hook requires_grad_ set_extra_state
     set_submodule share_memory state_dict to to_empty train training type xpu zero_grad
     bias spec sizes network plan program planner autotune max_elements reset_parameters self
-    source plan_cache_size
+    source plan_cache_size max_bytes
     torch
 """.split())
+
+
+#: cores in one network: the planner and the init analysis are polynomial in this
+MAX_CORES = 256
 
 
 def check(doc: Document, *, layer: str | None = None, sizes: Mapping[str, Any] | None = None,
@@ -49,17 +55,24 @@ def check(doc: Document, *, layer: str | None = None, sizes: Mapping[str, Any] |
 
 
 def select_layer(doc: Document, name: str | None) -> LayerNode:
-    names = [lay.name for lay in doc.layers]
+    """The layer of ``doc`` called ``name`` (None: the only one)."""
     if name is None:
         if len(doc.layers) == 1:
             return doc.layers[0]
-        raise SpecError(f"the file has {len(names)} layers ({', '.join(map(str, names))}); "
-                        "say which one", hint="pass name=... (or --layer NAME)")
-    for lay in doc.layers:
-        if lay.name == name:
-            return lay
-    close = difflib.get_close_matches(name, [n for n in names if n], n=1)
-    raise SpecError(f"no layer named {name!r}; the file has {', '.join(map(str, names))}",
+        names = [str(lay.name) for lay in doc.layers]
+        shown = ", ".join(names[:10]) + (", ..." if len(names) > 10 else "")
+        raise SpecError(f"the file has {len(names)} layers ({shown}); say which one",
+                        hint="pass name=... (or --layer NAME)")
+    found = doc.by_name.get(name)
+    if found is not None:
+        return found
+    if not doc.is_file:
+        raise SpecError(f"name={name!r} picks a layer of a .tn file, but this spec is a "
+                        "single expression", hint="leave name out for an expression")
+    names = [str(lay.name) for lay in doc.layers]
+    close = difflib.get_close_matches(name, names, n=1)
+    shown = ", ".join(names[:10]) + (", ..." if len(names) > 10 else "")
+    raise SpecError(f"no layer named {name!r}; the file has {shown}",
                     hint=f"did you mean {close[0]!r}?" if close else None)
 
 
@@ -82,6 +95,11 @@ class _Checker:
                        "write one 'x[...], ... -> y[...]' per layer")
             return None
         options = read_options(lay, self.error)
+        for size in (*lay.params, *lay.derived):
+            if size.name.startswith("__"):
+                self.error(f"size {size.name!r}: names starting with '__' are reserved",
+                           size.span, f"rename it, e.g. {size.name.strip('_') or 'n'}; Python "
+                           "would mangle it inside the generated class")
         net = lay.networks[0]
         written = {n for o in (*net.operands, net.output) for i in o.indices for n in i.names}
         binder = SizeBinder(lay, self.error)
@@ -104,6 +122,10 @@ class _Checker:
         if not cores:
             self.error("the network has no core", data.span,
                        "add a learnable operand after the input, e.g. 'W[i, o]'")
+        if len(cores) > MAX_CORES:
+            self.error(f"the network has {len(cores)} cores, more than the limit of {MAX_CORES}",
+                       cores[MAX_CORES].span, "split it into several layers")
+            return None
         self.operand_names(net)
         for node in net.operands[1:]:
             for ix in node.indices:
@@ -131,6 +153,16 @@ class _Checker:
         core_tensors = tuple(self.tensor(c, convs) for c in cores)
         roles = assign_roles(data_t, core_tensors, result_t, [c for c, _ in convs])
         self.roles_valid(net, roles, convs)
+        self.output_groups(result, core_names)
+        kernels = {str(c.kernel) for c, _ in convs}
+        for node in cores:
+            own = [ix for ix in node.indices if ix.names and ix.names[0] in kernels]
+            if len(own) > MAX_CONV_DIMS:
+                self.error(f"core {node.name!r} carries {len(own)} kernel indices; torch "
+                           f"convolves at most {MAX_CONV_DIMS} axes at once",
+                           own[MAX_CONV_DIMS].span,
+                           "split the kernel over several cores, e.g. one per axis (CP)")
+        self.core_names = core_names
         indices = tuple(self.index(name, role, env, net) for name, role in roles.items())
         self.groups_sized(net, env)
         network = Network(data_t, core_tensors, result_t, indices,
@@ -143,6 +175,12 @@ class _Checker:
                     self.error(f"core {core.name!r} would have {n:,} elements ({dims}), more than "
                                f"the limit of {self.max_elements:,}", node.span,
                                "lower its sizes, or raise max_elements")
+            bias = math.prod(env.get(i, 1) for axis in result_t.axes for i in axis
+                             if i in core_names)
+            if options.bias and bias > self.max_elements:
+                self.error(f"the bias over the output's core indices would have {bias:,} "
+                           f"elements, more than the limit of {self.max_elements:,}",
+                           result.span, "lower the output sizes, or set bias: false")
         return network
 
     def operand_names(self, net: NetworkNode) -> None:
@@ -163,6 +201,11 @@ class _Checker:
                            "module", node.name_span, f"rename it, e.g. {node.name.strip('_')}_w")
             seen_ix: set[str] = set()
             for ix in node.indices:
+                for n in ix.names:
+                    if n.startswith("__"):
+                        self.error(f"index {n!r}: names starting with '__' are reserved", ix.span,
+                                   f"rename it, e.g. {n.strip('_') or 'n'}; Python would "
+                                   "mangle it inside the generated class")
                 for n in (ix.names if ix.kind != "affine" else ()):
                     if n in seen_ix:
                         self.error(f"index {n!r} appears twice in {node.name!r}", ix.span,
@@ -253,6 +296,18 @@ class _Checker:
                 axes.append(ix.names)
         return Tensor(node.name, tuple(axes))
 
+    def output_groups(self, result: OperandNode, core_names: set[str]) -> None:
+        """An output group is made of core indices only, or of none: the bias and the
+        reshapes that build the output group by where an index comes from."""
+        for ix in result.indices:
+            on_core = [n for n in ix.names if n in core_names]
+            other = [n for n in ix.names if n not in core_names]
+            if ix.kind == "group" and on_core and other:
+                self.error(f"output group {ix.text} mixes {on_core[0]!r}, carried by a core, "
+                           f"with {other[0]!r}, which comes from the input", ix.span,
+                           "write them as separate output axes, e.g. "
+                           f"y[..., {on_core[0]}, {other[0]}], and reshape the result")
+
     def roles_valid(self, net: NetworkNode, roles: dict[str, Role],
                     convs: list[tuple[Conv, IndexNode]]) -> None:
         data, *cores = net.operands
@@ -295,14 +350,22 @@ class _Checker:
 
     def index(self, name: str, role: Role, env: dict[str, int], net: NetworkNode) -> Index:
         size = env.get(name)
-        on_core = any(name in ix.names for c in net.operands[1:] for ix in c.indices)
+        on_core = name in self.core_names
         spatial = role in (Role.SPATIAL_IN, Role.SPATIAL_OUT)
         if size is None and on_core and not spatial and name not in self.bad_sizes:
             span = next(ix.span for c in net.operands[1:] for ix in c.indices if name in ix.names)
             hint = (f"add {name}=<size> to the layer's parameters" if self.doc.is_file
                     else f"pass {name}=<size> to tnspec.layer")
             self.error(f"core index {name!r} has no size", span, hint)
-        return Index(name, None if spatial else size, role)  # spatial sizes come from the data
+        if spatial and size is not None and role is Role.SPATIAL_OUT:
+            self.error(f"size {name}={size} is given for a spatial index; it would be ignored",
+                       self.first_span(net, name), "spatial sizes come from the input's shape; "
+                       "remove the size (tnspec compile plans for --shape)")
+        return Index(name, None if spatial else size, role)
+
+    def first_span(self, net: NetworkNode, name: str) -> Span | None:
+        return next((ix.span for op in (*net.operands, net.output) for ix in op.indices
+                     if name in ix.names), None)  # spatial sizes come from the data
 
     def groups_sized(self, net: NetworkNode, env: dict[str, int]) -> None:
         for node in (net.operands[0], net.output):
@@ -319,4 +382,4 @@ def _formula(e: SizeExpr) -> tuple:
     """A size expression as plain nested tuples (see ir.Formula)."""
     if e.op in ("int", "name"):
         return (e.op, e.value)
-    return (e.op, _formula(e.args[0]), _formula(e.args[1]))
+    return (e.op, e.value, tuple(_formula(a) for a in e.args))

@@ -30,13 +30,20 @@ Nothing in this module imports torch or a later stage: the stages are functions 
 
 from __future__ import annotations
 
+from collections import Counter
 import math
 from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Iterable, Mapping
 
 #: the default limit on the elements of one core, and of one planned intermediate per sample
+#: the largest core (or bias) a spec may declare, in elements
 DEFAULT_MAX_ELEMENTS = 2**31
+#: the most one tensor of the forward pass (padded input, intermediate, output) may take, in
+#: bytes at the batch the layer is called with
+DEFAULT_MAX_BYTES = 2**33
+#: torch has conv1d, conv2d and conv3d: one step resolves at most three relations
+MAX_CONV_DIMS = 3
 
 
 class Role(str, Enum):
@@ -120,7 +127,8 @@ class Options:
     init_weights: tuple[tuple[str, float], ...] = ()  # relative shares of prod Var, by core
 
 
-#: a size formula: ("int", 3), ("name", "k"), or (op, formula, formula) with op in + - * //
+#: a size formula: ("int", 3), ("name", "k"), or ("chain", operators, formulas): the formulas
+#: joined left to right by the operators (+ - or * //), e.g. ("chain", ("+",), (a, b))
 Formula = tuple
 
 
@@ -221,13 +229,14 @@ def assign_roles(data: Tensor, cores: Iterable[Tensor], result: Tensor,
     sources = {c.source for c in convs}
     targets = {c.target for c in convs}
     kernels = {c.kernel for c in convs if c.kernel is not None}
-    names = dict.fromkeys([*data.indices, *(n for c in cores for n in c.indices),
-                           *result.indices])
+    in_cores = Counter(n for c in cores for n in set(c.indices))
+    data_names, result_names = set(data.indices), set(result.indices)
+    names = dict.fromkeys([*data.indices, *in_cores, *result.indices])
     roles: dict[str, Role] = {}
     for name in names:
-        in_data = name in data.indices
-        in_result = name in result.indices
-        n_cores = sum(name in c.indices for c in cores)
+        in_data = name in data_names
+        in_result = name in result_names
+        n_cores = in_cores[name]
         if name in sources:
             roles[name] = Role.SPATIAL_IN
         elif name in targets:
