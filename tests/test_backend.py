@@ -98,9 +98,9 @@ def test_float32_and_float64():
 
 def test_four_conv_axes_on_one_core_is_refused_clearly():
     text = "x[b, c, p+kp-1, q+kq-1, h+kh-1, w+kw-1], W[c, kp, kq, kh, kw] -> y[b, p, q, h, w]"
-    layer = tnspec.layer(text, c=2, kp=3, kq=3, kh=3, kw=3)
-    with pytest.raises(tnspec.SpecError, match="more than 3 convolution axes"):
-        layer(torch.randn(1, 2, 5, 5, 5, 5))
+    with pytest.raises(tnspec.SpecError, match="core 'W' carries 4 kernel indices") as info:
+        tnspec.layer(text, c=2, kp=3, kq=3, kh=3, kw=3)
+    assert (info.value.line, info.value.column) == (1, text.index("kw]") + 1)
 
 
 def test_four_conv_axes_split_over_cores_work():
@@ -141,3 +141,46 @@ def test_autotune_keeps_a_correct_candidate():
     x = torch.randn(2, *shape)
     compare(module, x)
     assert tuple(x.shape) in module._classes  # timed once, then cached
+
+
+@pytest.mark.parametrize("context", ["plain", "no_grad", "inference_mode", "frozen"])
+def test_autotune_leaves_the_rng_and_grad_mode_alone_and_handles_frozen_cores(context):
+    text, sizes, shape = spec("tr", 2, 1, "same", 1)
+    module = tnspec.layer(text, autotune=True, **sizes)
+    if context == "frozen":
+        module.requires_grad_(False)
+    x = torch.randn(2, *shape)
+    torch.manual_seed(1)
+    state = torch.get_rng_state()
+    modes = {"no_grad": torch.no_grad, "inference_mode": torch.inference_mode}
+    with modes.get(context, torch.enable_grad)():
+        y = module(x)
+        grad_enabled = torch.is_grad_enabled()
+    assert torch.equal(torch.get_rng_state(), state)
+    assert grad_enabled == (context not in modes)
+    assert not y.requires_grad or context == "plain"
+    torch.testing.assert_close(y, module._planned(tuple(x.shape)).forward(module, x))
+
+
+def test_friendly_errors_for_wrong_python_arguments():
+    text, sizes = "x[b, i], W[i, o] -> y[b, o]", dict(i=2, o=3)
+    layer = tnspec.layer(text, **sizes)
+    for bad in ([[1.0, 2.0]], (1.0, 2.0)):
+        with pytest.raises(TypeError, match="Layer takes a torch.Tensor, not (list|tuple); "
+                           r"convert it with torch.as_tensor\(x\)"):
+            layer(bad)
+    with pytest.raises(TypeError, match="contract takes a torch.Tensor, not list"):
+        tnspec.contract(text, [[1.0, 2.0]], {"W": layer.W})
+    for weights, match in [({"Q": 1}, "init_weights names 'Q', which is not a core"),
+                           ({"W": -1}, r"init_weights\['W'\] = -1 is not a positive number"),
+                           ({"W": "x"}, r"init_weights\['W'\] = 'x' is not a positive number"),
+                           ([("W", 1)], "init_weights must be a dict, not list")]:
+        with pytest.raises(tnspec.SpecError, match=match):
+            tnspec.layer(text, init_weights=weights, **sizes)
+    with pytest.raises(tnspec.SpecError, match="unknown planner 'nope'"):
+        tnspec.layer(text, planner="nope", **sizes)  # at construction, not at the first call
+    for limit in ("x", 0, 2.5):
+        with pytest.raises(tnspec.SpecError, match=f"max_elements={limit!r} must be a positive"):
+            tnspec.layer(text, max_elements=limit, **sizes)
+        with pytest.raises(tnspec.SpecError, match=f"max_bytes={limit!r} must be a positive"):
+            tnspec.layer(text, max_bytes=limit, **sizes)

@@ -215,7 +215,8 @@ def test_crafted_text_cannot_run_code_in_the_generated_module(tmp_path):
 
 def test_planned_intermediates_are_bounded_before_anything_is_allocated():
     module = tnspec.layer("x[b, c, h+k-1], U[c, r], V[r, o, k] -> y[b, o, h]", c=8, r=4, o=8,
-                          k=3, max_elements=100)
-    with pytest.raises(tnspec.SpecError, match=r"intermediate .* would have .* elements per "
-                                                r"sample, more than the limit of 100"):
+                          k=3, max_bytes=10_000)
+    module(torch.randn(2, 8, 100))
+    with pytest.raises(tnspec.SpecError, match=r"t2\[b, o, h\] would take 62.5 KiB \(16,000 "
+                       r"elements at the batch b=2\), more than the limit of 9.8 KiB"):
         module(torch.randn(2, 8, 1000))

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import pytest
+import torch
+
 import tnspec
 from tnspec.plan import Split, plan
 from tnspec.shapes import bind_shape
@@ -43,3 +46,63 @@ def test_report_names_each_steps_op():
     rows = p.report().splitlines()
     assert rows[2].split()[:2] == ["step", "op"]
     assert [r.split()[1] for r in rows[3:]] == ["conv1x1", "conv", "conv1x1"]
+
+
+# ---- guards: every tensor of the forward pass, in bytes, at the batch of the call ----------
+
+
+def test_a_huge_padding_is_refused_before_anything_is_allocated():
+    text = "x[b, c, {p}*h+k-{p}], W[c, k] -> y[b, h]"
+    layer = tnspec.layer(text.format(p=3_000_000_000), c=2, k=3)
+    with pytest.raises(tnspec.SpecError, match=r"the padded input x would take 44.7 GiB "
+                       r"\(12,000,000,010 elements at the batch b=1\), more than the limit of "
+                       r"8.0 GiB"):
+        layer(torch.randn(1, 2, 5))
+    small = tnspec.layer(text.format(p=1000), c=2, k=3, max_bytes=2**16)
+    assert small(torch.randn(1, 2, 5)).shape == (1, 3)
+    with pytest.raises(tnspec.SpecError, match="the padded input x would take"):
+        small(torch.randn(20, 2, 5))  # the same layer, a larger batch
+
+
+def clique(n: int) -> tuple[str, dict[str, int]]:
+    """``n`` cores, a rank-2 edge between every two of them."""
+    cores: list[list[str]] = [[] for _ in range(n)]
+    sizes = {"i": 16, "o": 16}
+    for a in range(n):
+        for b in range(a + 1, n):
+            cores[a].append(f"r{a}_{b}")
+            cores[b].append(f"r{a}_{b}")
+            sizes[f"r{a}_{b}"] = 2
+    cores[0].insert(0, "i")
+    cores[-1].append("o")
+    ops = ", ".join(f"V{k}[{', '.join(c)}]" for k, c in enumerate(cores))
+    return f"x[b, i], {ops} -> y[b, o]", sizes
+
+
+def test_an_intermediate_too_large_for_max_bytes_is_refused_at_any_batch():
+    text, sizes = clique(11)  # 42k parameters; any order has a 2^30-element intermediate
+    with pytest.raises(tnspec.SpecError, match=r"would take 4.0 GiB .* more than the limit of "
+                       r"2.0 GiB"):
+        tnspec.layer(text, sizes=sizes, max_bytes=2**31)(torch.randn(4, 16))
+
+
+def test_the_guard_counts_bytes_of_the_parameters_dtype():
+    text = "x[b, c], W[c, o] -> y[b, o]"
+    assert tnspec.layer(text, c=4, o=4, max_bytes=32 * 4)(torch.randn(8, 4)).shape == (8, 4)
+    layer = tnspec.layer(text, c=4, o=4, max_bytes=32 * 4, dtype=torch.double)
+    with pytest.raises(tnspec.SpecError, match=r"256 bytes \(32 elements at the batch b=8\)"):
+        layer(torch.randn(8, 4, dtype=torch.double))
+
+
+@pytest.mark.parametrize("autotune", [False, True])
+@pytest.mark.parametrize("text, sizes, dense", [
+    ("x[b, c, h+kh-1, w+kw-1], W[o, c, kh, kw] -> y[b, o, h, w]", dict(c=2, o=3, kh=3, kw=3),
+     lambda: torch.nn.Conv2d(2, 3, 3, padding=1)),
+    ("x[b, c], A[c, r], B[r, o] -> y[b, o]", dict(c=2, r=2, o=3), lambda: torch.nn.Linear(2, 3)),
+])
+def test_an_empty_batch_gives_an_empty_output_as_torch_does(text, sizes, dense, autotune):
+    layer = tnspec.layer(text, autotune=autotune, **sizes)
+    x = torch.randn(0, 2, 5, 5) if "h" in text else torch.randn(0, 2)
+    y = layer(x)
+    assert y.shape == dense()(x).shape
+    y.sum().backward()

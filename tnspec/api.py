@@ -9,6 +9,7 @@ layer and the file ``tnspec compile`` writes are the same code by construction.
 
 from __future__ import annotations
 
+import math
 import time
 from collections import OrderedDict
 from dataclasses import replace
@@ -22,11 +23,11 @@ from . import codegen, runtime
 from .check import check, select_layer
 from .codegen import LayerCode, summary_line
 from .errors import SpecError
-from .ir import DEFAULT_MAX_ELEMENTS, Network
+from .ir import DEFAULT_MAX_BYTES, DEFAULT_MAX_ELEMENTS, Network
 from .lower import Program, bias_shape, lower
 from .parse import parse
-from .plan import Plan, plan
-from .settings import option_value
+from .plan import PLANNERS, Plan, plan
+from .settings import option_value, positive_int
 from .shapes import bind_shape, example_shape
 
 __all__ = ["Layer", "compile", "compile_all", "contract", "example_shape", "generate", "layer"]
@@ -46,7 +47,15 @@ def compile(text: str, /, *, name: str | None = None,
     {'i': 4, 'o': 3}
     """
     return check(parse(text), layer=name, sizes=_merge(sizes, more_sizes),
-                 max_elements=max_elements)
+                 max_elements=_positive("max_elements", max_elements))
+
+
+def _positive(name: str, value: Any) -> int:
+    """A limit given from Python, checked: a positive int."""
+    if positive_int(value) is None:
+        raise SpecError(f"{name}={value!r} must be a positive int",
+                        hint="give a number of elements or bytes, e.g. 2**30")
+    return int(value)
 
 
 def _merge(sizes: Mapping[str, int] | None, more: Mapping[str, int]) -> dict[str, int]:
@@ -61,7 +70,8 @@ def _merge(sizes: Mapping[str, int] | None, more: Mapping[str, int]) -> dict[str
 def compile_all(text: str, *, max_elements: int = DEFAULT_MAX_ELEMENTS) -> list[Network]:
     """Every layer of ``text``, each with its default sizes."""
     doc = parse(text)
-    return [check(doc, layer=lay.name, max_elements=max_elements) for lay in doc.layers]
+    limit = _positive("max_elements", max_elements)
+    return [check(doc, layer=lay.name, max_elements=limit) for lay in doc.layers]
 
 
 def generate(text: str, /, *, names: Sequence[str] | None = None,
@@ -114,8 +124,8 @@ def layer(text: str, /, *, name: str | None = None, init: str | None = None,
           init_weights: Mapping[str, float] | None = None,
           dtype: torch.dtype | None = None, device: torch.device | str | None = None,
           planner: str = "auto", autotune: bool = False,
-          max_elements: int = DEFAULT_MAX_ELEMENTS, sizes: Mapping[str, int] | None = None,
-          **more_sizes: int) -> "Layer":
+          max_elements: int = DEFAULT_MAX_ELEMENTS, max_bytes: int = DEFAULT_MAX_BYTES,
+          sizes: Mapping[str, int] | None = None, **more_sizes: int) -> "Layer":
     """An initialized ``nn.Module`` for ``text`` (an expression, or a ``.tn`` file's text with
     ``name`` picking the layer). ``sizes`` (a mapping, for index names that are keywords here)
     and keyword sizes bind or override the spec's sizes; these override
@@ -124,20 +134,40 @@ def layer(text: str, /, *, name: str | None = None, init: str | None = None,
     ``bias``, ``distribution`` (normal, uniform), ``stride_count`` ("exact": graph-out counts
     K/s taps on strided axes), ``init_weights`` (relative shares of a graph mode's product of
     variances, by core name). With ``autotune=True`` the first call for each input shape times
-    the candidate contraction orders and keeps the fastest.
+    the candidate contraction orders and keeps the fastest. ``max_elements`` bounds each core
+    (and the bias); ``max_bytes`` each tensor of the forward pass at the batch it is called with.
 
     >>> m = layer("x[b, i], W[i, o] -> y[b, o]", i=4, o=3)
     >>> m(torch.ones(2, 4)).shape
     torch.Size([2, 3])
     """
     net = compile(text, name=name, max_elements=max_elements, sizes=sizes, **more_sizes)
-    weights = tuple((str(k), float(v)) for k, v in init_weights.items()) if init_weights \
-        else None
+    weights = _init_weights(init_weights, net) if init_weights is not None else None
     net = _with_options(net, init=init, activation=activation, bias=bias,
                         distribution=distribution, stride_count=stride_count,
                         init_weights=weights)
     return Layer(net, dtype=dtype, device=device, planner=planner, autotune=autotune,
-                 max_elements=max_elements)
+                 max_bytes=max_bytes)
+
+
+def _init_weights(given: Any, net: Network) -> tuple[tuple[str, float], ...]:
+    """``init_weights`` checked: a mapping from core names to positive numbers."""
+    names = [c.name for c in net.cores]
+    hint = f"a dict from core names ({', '.join(names)}) to positive shares"
+    if not isinstance(given, Mapping):
+        raise SpecError(f"init_weights must be a dict, not {type(given).__name__}", hint=hint)
+    out = []
+    for k, v in given.items():
+        if k not in names:
+            raise SpecError(f"init_weights names {k!r}, which is not a core", hint=hint)
+        try:
+            share = float(v)
+        except (TypeError, ValueError):
+            share = math.nan
+        if isinstance(v, bool) or not (0 < share < math.inf):
+            raise SpecError(f"init_weights[{k!r}] = {v!r} is not a positive number", hint=hint)
+        out.append((k, share))
+    return tuple(out)
 
 
 class Layer(nn.Module):
@@ -153,14 +183,17 @@ class Layer(nn.Module):
 
     def __init__(self, network: Network, *, dtype: torch.dtype | None = None,
                  device: torch.device | str | None = None, planner: str = "auto",
-                 autotune: bool = False, max_elements: int = DEFAULT_MAX_ELEMENTS) -> None:
+                 autotune: bool = False, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
         super().__init__()
         self.autotune = autotune
         self.network = network
         self.spec = network.spec
         self.sizes = dict(network.sizes)
         self.planner = planner
-        self.max_elements = max_elements
+        self.max_bytes = _positive("max_bytes", max_bytes)
+        if planner not in PLANNERS:
+            raise SpecError(f"unknown planner {planner!r}",
+                            hint=f"choose one of {', '.join(sorted(PLANNERS))}")
         for core in network.cores:
             shape = tuple(self.sizes[i] for i in core.indices)
             self.register_parameter(core.name, nn.Parameter(
@@ -181,7 +214,7 @@ class Layer(nn.Module):
         self._last_shape: torch.Size | None = None
         try:  # planned, not autotuned; errors are the forward's to raise, for its input
             self._last_class = self._planned(example_shape(self.network, {}))
-        except (SpecError, ValueError):
+        except SpecError:
             pass
 
     def __getstate__(self) -> dict[str, Any]:
@@ -201,7 +234,11 @@ class Layer(nn.Module):
     def plan(self, shape: Sequence[int]) -> Plan:
         """The contraction plan for an input of ``shape`` (print ``.report()`` to see it)."""
         return plan(bind_shape(self.network, tuple(shape)), self.planner,
-                    max_elements=self.max_elements)
+                    max_bytes=self.max_bytes, itemsize=self._itemsize())
+
+    def _itemsize(self) -> int:
+        first = next(self.parameters(), None)
+        return first.element_size() if first is not None else 4
 
     def program(self, shape: Sequence[int]) -> Program:
         """The lowered program for an input of ``shape``."""
@@ -235,8 +272,11 @@ class Layer(nn.Module):
         candidates: dict[tuple, type] = {}
         for name in ("auto", "greedy", "dense-first", "left-to-right"):
             try:
-                candidate = plan(bound, name, max_elements=self.max_elements)
-            except (SpecError, ValueError):
+                candidate = plan(bound, name, max_bytes=self.max_bytes,
+                                 itemsize=self._itemsize())
+            except SpecError:
+                if name == "auto":
+                    raise  # the layer's own error for this shape
                 continue
             key = tuple((s.left.indices, s.right.indices, s.op) for s in candidate.steps)
             if key not in candidates:
@@ -264,6 +304,9 @@ class Layer(nn.Module):
         return best[1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{type(self).__name__} takes a torch.Tensor, not "
+                            f"{type(x).__name__}; convert it with torch.as_tensor(x)")
         if _is_compiling():
             # planning is plain Python that dynamo should not trace: a compiled layer runs the
             # code planned for the last shape seen eagerly, or at construction for the example
@@ -304,6 +347,9 @@ def contract(spec: str | Network, x: torch.Tensor, /, cores: Mapping[str, torch.
     >>> contract("x[b, i], W[i, o] -> y[b, o]", torch.ones(2, 4), {"W": W}).tolist()
     [[4.0, 4.0, 4.0], [4.0, 4.0, 4.0]]
     """
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"contract takes a torch.Tensor, not {type(x).__name__}; convert it "
+                        "with torch.as_tensor(x)")
     cores = dict(cores or {})
     bias = cores.pop("bias", None)
     if isinstance(spec, Network):
@@ -322,7 +368,8 @@ def contract(spec: str | Network, x: torch.Tensor, /, cores: Mapping[str, torch.
         if tuple(cores[core.name].shape) != want:
             raise SpecError(f"core {core.name!r} has shape {list(cores[core.name].shape)}, but "
                             f"{core.name}[{', '.join(core.indices)}] is {list(want)}")
-    cls = runtime.layer_class(net, plan(bind_shape(net, tuple(x.shape)), planner))
+    cls = runtime.layer_class(net, plan(bind_shape(net, tuple(x.shape)), planner,
+                                        itemsize=x.element_size()))
     if bias is not None and not (net.options.bias and bias_shape(net)):
         bias = None  # e.g. a layer's bias, given with its cores to its backward network
     module = SimpleNamespace(sizes=net.sizes, bias=bias, **cores)

@@ -31,7 +31,8 @@ from dataclasses import dataclass
 from typing import Mapping
 
 from .analysis import backbone
-from .ir import Network, Options, Role
+from .errors import SpecError
+from .ir import INITS, Network, Options, Role
 
 #: p_a = E[f(z)^2] / Var(z) for z ~ N(0, 1): the factor the activation applies to the variance
 #: (gelu and silu by Gauss-Hermite quadrature; tanh and sigmoid as in the paper / torch: 1)
@@ -62,8 +63,12 @@ class CoreInit:
     why: str
 
     def std(self, sizes: Mapping[str, int]) -> float:
-        total = sum(f * math.prod(sizes[i] for i in names) for f, names in self.terms)
-        return total ** self.exponent
+        try:
+            total = sum(f * math.prod(sizes[i] for i in names) for f, names in self.terms)
+            return total ** self.exponent
+        except OverflowError:  # the generated reset_parameters would raise the same
+            raise SpecError(f"core {self.core!r}: the init's product of sizes does not fit a "
+                            "float", hint="use fewer cores or smaller sizes") from None
 
 
 def core_inits(net: Network, init: str | None = None) -> tuple[CoreInit, ...]:
@@ -101,11 +106,12 @@ def _weights(net: Network) -> list[float]:
     names = [c.name for c in net.cores]
     unknown = set(given) - set(names)
     if unknown:
-        raise ValueError(f"init_weights names {sorted(unknown)[0]!r}, which is not a core; "
-                         f"cores: {', '.join(names)}")
+        raise SpecError(f"init_weights names {sorted(unknown)[0]!r}, which is not a core",
+                        hint=f"the cores are {', '.join(names)}")
     raw = [given.get(n, 1.0) if given else 1.0 for n in names]
     if min(raw) <= 0 or not all(math.isfinite(w) for w in raw):
-        raise ValueError(f"init_weights must be positive numbers, got {given}")
+        raise SpecError(f"init_weights must be positive finite numbers, got {given}",
+                        hint="relative shares, e.g. init_weights={'U': 1, 'G': 2}")
     return [w / sum(raw) for w in raw]
 
 
@@ -125,4 +131,4 @@ def _per_core(name: str, shape: tuple[str, ...], init: str, p: float, method: st
                         "xavier on the core's shape")
     if init == "orthogonal":
         return CoreInit(name, "orthogonal", ((p, ()),), -0.5, "orthogonal, gain 1/sqrt(p_a)")
-    raise ValueError(f"unknown init {init!r}")
+    raise SpecError(f"invalid init: {init!r}", hint=f"choose one of {', '.join(INITS)}")
