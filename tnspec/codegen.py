@@ -13,14 +13,17 @@ is written as ``repr`` literals. Long lines are broken only inside brackets.
 
 from __future__ import annotations
 
+import builtins
 import keyword
 import math
+import re
 import textwrap
 from pathlib import PurePath
 from typing import Any, NamedTuple, Sequence
 
 from ._version import __version__
 from .init import CoreInit, activation_scale, core_inits
+from .errors import SpecError
 from .ir import Formula, Network
 from .lower import from_cores
 from .program import (Bias, Call, CheckShape, Let, Namer, Node, Param, Program, Require, Unpack,
@@ -29,6 +32,7 @@ from .shapes import Size
 
 INDENT = "    "
 WIDTH = 99
+_MODULE_NAMES = frozenset({"F", "nn", "torch"})  # the generated module's imports
 
 
 class LayerCode(NamedTuple):
@@ -47,6 +51,12 @@ def generate(layers: Sequence[LayerCode], source: str | None = None) -> str:
              'than edit."""', ""]
     if source is not None:  # a comment, repr'd: no text of the path can become code
         lines.append(f"# source: {PurePath(source).name!r}")
+    classes: dict[str, str | None] = {}
+    for lay in layers:
+        other = classes.setdefault(class_name(lay.network), lay.network.name)
+        if other != lay.network.name:
+            raise SpecError(f"layers {other!r} and {lay.network.name!r} would both be class "
+                            f"{class_name(lay.network)}", hint="rename one of the two layers")
     uses_f = any(isinstance(n, Call) and n.fn.startswith("F.")
                  for lay in layers if lay.program for n in lay.program.nodes)
     lines += ["import torch"] + \
@@ -63,6 +73,8 @@ def class_name(net: Network) -> str:
     name = "".join(part[:1].upper() + part[1:] for part in net.name.split("_") if part)
     if not name or keyword.iskeyword(name) or not name.isidentifier():
         name = "Layer" + name
+    if name in _MODULE_NAMES or hasattr(builtins, name):  # `class F` would shadow F.conv2d
+        name += "Layer"
     return name
 
 
@@ -73,7 +85,7 @@ def _attr(name: str) -> str:
 
 def _comment(text: str, indent: str) -> list[str]:
     return [indent + "# " + line for line in textwrap.wrap(
-        text, WIDTH - len(indent) - 2, break_long_words=False, break_on_hyphens=False)]
+        text, WIDTH - len(indent) - 2, break_on_hyphens=False)]
 
 
 class _Class:
@@ -255,7 +267,10 @@ def statement(node: Node, indent: str) -> list[str]:
         return _if(cond, indent) + _raise(_fstring(node.message), indent + INDENT)
     if isinstance(node, Bias):
         shape = ", ".join(str(d) for d in node.shape)
-        return [f"{indent}if self.bias is not None:  # {node.comment}",
+        head = f"{indent}if self.bias is not None:  # {node.comment}"
+        if len(head) > WIDTH:
+            head = _comment(node.comment, indent) + [f"{indent}if self.bias is not None:"]
+        return [*([head] if isinstance(head, str) else head),
                 *_wrap_line(f"{indent}{INDENT}{node.out} = {node.var} + "
                             f"self.bias.reshape({shape})")]
     raise TypeError(f"codegen cannot print {type(node).__name__}")  # pragma: no cover
@@ -281,7 +296,10 @@ def _if(cond: str, indent: str) -> list[str]:
     line = f"{indent}if {cond}:"
     if len(line) <= WIDTH:
         return [line]
-    return _wrap_line(f"{indent}if ({cond}):")
+    inner = indent + INDENT * 2  # a hanging indent, so the condition stands off the body
+    return [f"{indent}if ("] + [inner + part for part in textwrap.wrap(
+        cond, WIDTH - len(inner), break_long_words=False, break_on_hyphens=False)] + \
+        [f"{indent}):"]
 
 
 def _raise(message: str, indent: str) -> list[str]:
@@ -290,9 +308,15 @@ def _raise(message: str, indent: str) -> list[str]:
     if len(one) <= WIDTH:
         return [one]
     inner = indent + INDENT
+    hoisted: list[str] = []  # a {...} too long for one line is computed before the raise
+    for n, expr in enumerate(e for e in re.findall(r"\{([^{}]*)\}", message)
+                             if len(e) > WIDTH // 2):
+        name = f"_expected{n or ''}"  # we raise next: a local of that name is not used again
+        hoisted += _wrap_line(f"{indent}{name} = {expr}")
+        message = message.replace("{" + expr + "}", "{" + name + "}", 1)
     chunks = _split_text(message, WIDTH - len(inner) - 3)
-    return [f"{indent}raise ValueError("] + [f'{inner}f"{c}"' for c in chunks[:-1]] + \
-        [f'{inner}f"{chunks[-1]}")']
+    return hoisted + [f"{indent}raise ValueError("] + \
+        [f'{inner}f"{c}"' for c in chunks[:-1]] + [f'{inner}f"{chunks[-1]}")']
 
 
 def _split_text(text: str, width: int) -> list[str]:
@@ -314,7 +338,10 @@ def _split_text(text: str, width: int) -> list[str]:
 
 def _spec_lines(spec: str, width: int) -> list[str]:
     """The spec broken after ", " between operands so that each piece fits ``width``."""
-    pieces = spec.replace("], ", "],\0").split("\0")
+    pieces = []
+    for piece in spec.replace("], ", "],\0").split("\0"):
+        # an operand longer than a line is cut at its spaces (the pieces are joined by one)
+        pieces += [piece] if len(piece) <= width else piece.split(" ")
     lines = [""]
     for piece in pieces:
         if lines[-1] and len(lines[-1]) + 1 + len(piece) > width:
@@ -329,7 +356,11 @@ def _formula(f: Formula, names: Namer) -> str:
         return str(f[1])
     if f[0] == "name":
         return names(f[1])
-    return f"({_formula(f[1], names)} {f[0]} {_formula(f[2], names)})"
+    _, ops, args = f
+    text = _formula(args[0], names)
+    for op, arg in zip(ops, args[1:]):
+        text += f" {op} {_formula(arg, names)}"
+    return f"({text})"
 
 
 def _std_text(ci: CoreInit, names: Namer) -> str:
@@ -412,6 +443,8 @@ def _wrap_call(start: str, items: list[str], end: str) -> list[str]:
             line = cont
         line += piece
     lines.append(line.rstrip() + end)
+    if any(len(line) > WIDTH for line in lines):  # an item too long: break inside items
+        return _wrap_line(one)
     return lines
 
 

@@ -311,10 +311,35 @@ class _Lowering:
                 "->" + "".join(letter[i] for i in out)
             return self.call(base, "torch.einsum", eq, left, right, layout=out, dims=dims,
                              comment=comment)
-        number = {i: n for n, i in enumerate(names)}  # the sublist form has no letter limit
-        return self.call(base, "torch.einsum", left, [number[i] for i in a], right,
-                         [number[i] for i in b], [number[i] for i in out], layout=out,
-                         dims=dims, comment=comment)
+        # torch.einsum knows 52 subscripts: merge the indices that play the same part (batch,
+        # left/right free, contracted, summed on one side) into one axis each
+        A, B, O = set(a), set(b), set(out)
+        by_index = dict(zip(out, dims))
+        batch = [i for i in out if i in A and i in B]
+        free_a, free_b = [i for i in out if i not in B], [i for i in out if i not in A]
+        contracted = [i for i in a if i in B and i not in O]
+        left = self.merged(left, [batch, free_a, contracted, [i for i in a if i not in B | O]])
+        right = self.merged(right, [batch, contracted, free_b, [i for i in b if i not in A | O]])
+        letter = dict(zip(self.layout[left] + self.layout[right], _LETTERS))
+        order = [axis_text(c) for c in (batch, free_a, free_b) if c]
+        eq = "".join(letter[i] for i in self.layout[left]) + "," + \
+            "".join(letter[i] for i in self.layout[right]) + "->" + \
+            "".join(letter[i] for i in order)
+        merged = self.call(base, "torch.einsum", eq, left, right, layout=tuple(order),
+                           dims=[math.prod((by_index[i] for i in c), start=Size.of(1))
+                                 for c in (batch, free_a, free_b) if c], comment=comment)
+        flat = batch + free_a + free_b
+        holder = self.reshape_to(merged, flat, [by_index[i] for i in flat], base + "_r")
+        return self.arrange(holder, out, dims)
+
+    def merged(self, holder: Var | Param, classes: list[list[str]]) -> Var | Param:
+        """``holder`` permuted and reshaped so that each non-empty class is one axis."""
+        classes = [c for c in classes if c]
+        flat = [i for c in classes for i in c]
+        holder = self.arrange(holder, flat, [self.dim(holder, i) for i in flat])
+        return self.reshape_to(holder, [axis_text(c) for c in classes],
+                               [math.prod((self.dim(holder, i) for i in c), start=Size.of(1))
+                                for c in classes], holder.name + "_m")
 
     def epilogue(self, out_name: str) -> str:
         """Permute the last result into the output's order, merge its groups, add the bias."""
