@@ -48,8 +48,10 @@ def layer(fmt: str, i: int, init: str) -> nn.Module:
                               in_modes=_random_modes(cin), out_modes=_random_modes(cout))
     else:
         n = MODES.get(fmt, 1)
+        # the 10 classes have two factors: more modes are padded with size-1 modes, explicitly
+        outs = (5, 2) + (1,) * (n - 2) if cout == 10 and n > 2 else n
         spec = formats.build(fmt, cin, cout, k, rank=3 if fmt == "odd" else 6, stride=s,
-                             padding=pad, in_modes=n, out_modes=n,
+                             padding=pad, in_modes=n, out_modes=outs,
                              phi=4 if fmt in ("htk2", "odd") else None)
     return spec.layer(init=init, activation=act)
 

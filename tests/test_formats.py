@@ -106,6 +106,15 @@ def test_rank_tuples_name_each_edge():
     (lambda: formats.odd(16, 16, 3, in_modes=(2, 2, 4)), "2 input and 2 output modes"),
     (lambda: formats.tr(64, 64, 3, rank=0.0001), "even rank 1 has"),
     (lambda: formats.cp(64, 64, 3, rank=1.5), "share of the dense parameters"),
+    (lambda: formats.cp(0, 8, 3), "in_channels=0 must be a positive int"),
+    (lambda: formats.tucker2(8, -4, 3), "out_channels=-4 must be a positive int"),
+    (lambda: formats.htk2(8, 8, 3, phi=0), "phi=0 must be a positive int"),
+    (lambda: formats.cp(8, 8, 3, groups=0), "groups=0 must be a positive int"),
+    (lambda: formats.cp(8.0, 8, 3), "in_channels=8.0 must be a positive int"),
+    (lambda: formats.cp(8, 8, 3, rank=2.0), "share of the dense parameters"),
+    (lambda: formats.tucker2(8, 8, 3, rank=(2, True)), "rank=\\(2, True\\)"),
+    (lambda: formats.tt(67, 64, 3, in_modes=2), "in_channels=67 has no split into 2 modes "
+                                                "above 1 \\(factors: 67\\)"),
 ])
 def test_bad_arguments_are_refused_clearly(call, match):
     with pytest.raises(tnspec.SpecError, match=match):
@@ -124,3 +133,22 @@ def test_random_formats_are_reproducible_and_valid():
 def test_docstring_examples_run():
     result = doctest.testmod(formats)
     assert result.attempted > 0 and result.failed == 0
+
+
+def test_a_rank_beyond_the_dense_layer_is_said():
+    with pytest.warns(UserWarning, match="cp with rank=100000 has 13,400,000 parameters, more "
+                      "than the 36,864 of the dense layer"):
+        fmt = formats.cp(64, 64, 3, rank=100000)
+    assert fmt.sizes["r"] == 100000  # said, not refused: over-parameterizing can be on purpose
+
+
+def test_a_default_mode_split_that_needs_a_mode_of_1_is_said():
+    with pytest.warns(UserWarning, match=r"in_channels=67 has too few factors for 2 modes: "
+                      r"using \(67, 1\)"):
+        fmt = formats.tt(67, 64, 3)
+    assert (fmt.sizes["c0"], fmt.sizes["c1"]) == (67, 1)
+    assert formats.tr(1, 64, 3).sizes["c1"] == 1  # one channel: nothing to split
+
+
+def test_large_prime_channel_counts_split_at_once():
+    assert formats.cp(1_000_000_007, 1, (), rank=1).sizes["c"] == 1_000_000_007

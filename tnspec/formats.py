@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import random as _random
+import warnings
 from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Sequence
 
 from .errors import SpecError
@@ -141,14 +142,21 @@ def build(format: str, in_channels: int, out_channels: int, kernel_size: IntOrTu
     if format not in _FORMATS:
         raise SpecError(f"unknown format {format!r}", hint=f"choose one of {', '.join(NAMES)}")
     builder, count, names = _FORMATS[format]
+    for what, value in (("in_channels", in_channels), ("out_channels", out_channels),
+                        ("groups", groups), ("blocks", blocks), ("phi", phi)):
+        if not (value is None and what == "phi") and \
+                (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise SpecError(f"{what}={value!r} must be a positive int",
+                            hint="channels, groups, blocks and phi are sizes (1 or more)")
     phi = 4 if format == "htk2" and phi is None else phi
     if in_channels % groups or out_channels % groups:
         raise SpecError(f"groups={groups} does not divide in_channels={in_channels} and "
                         f"out_channels={out_channels}", hint="as in nn.Conv2d")
     default_modes = {"tt": 2, "tr": 2, "odd": 2}.get(format, 1)
-    cin = _modes(in_channels // groups, default_modes if in_modes is None else in_modes, "in")
+    cin = _modes(in_channels // groups, default_modes if in_modes is None else in_modes, "in",
+                 chosen=in_modes is not None)
     cout = _modes(out_channels // groups, default_modes if out_modes is None else out_modes,
-                  "out")
+                  "out", chosen=out_modes is not None)
     if format == "tt" and len(cin) != len(cout):
         raise SpecError(f"tt pairs input and output modes, got {len(cin)} and {len(cout)}",
                         hint="give in_modes and out_modes of the same length")
@@ -192,10 +200,18 @@ def build(format: str, in_channels: int, out_channels: int, kernel_size: IntOrTu
         dense = in_channels * out_channels // groups * math.prod(sizes[k] for k in parts.ks)
         return _fit(lambda r: make([r] * free), rank * dense)
     rank_sizes = [rank] * free if isinstance(rank, int) else list(rank)
-    if free and (len(rank_sizes) != free or any(r < 1 for r in rank_sizes)):
+    if free and (len(rank_sizes) != free or any(
+            not isinstance(r, int) or isinstance(r, bool) or r < 1 for r in rank_sizes)):
         raise SpecError(f"{format} here has {free} rank edge(s), got rank={rank!r}",
                         hint=f"give one positive int, or a tuple of {free}")
-    return make(rank_sizes[:free])
+    fmt = make(rank_sizes[:free])
+    dense = in_channels * out_channels // groups * math.prod(sizes[k] for k in parts.ks)
+    params = _parameters(fmt)
+    if params > dense:
+        warnings.warn(f"{format} with rank={rank!r} has {params:,} parameters, more than the "
+                      f"{dense:,} of the dense layer it stands for; a float rank such as "
+                      "rank=0.25 gives a share of the dense parameters", stacklevel=3)
+    return fmt
 
 
 def _geometry(cin: list[int], cout: list[int], kernel_size: IntOrTuple, stride: IntOrTuple,
@@ -240,32 +256,46 @@ def _per_dim(value: IntOrTuple, dims: int, what: str, minimum: int = 1) -> tuple
     return values
 
 
-def _modes(channels: int, modes: int | Sequence[int], side: str) -> list[int]:
-    """``channels`` as a list of mode sizes: given, or split into ``modes`` near-equal ones."""
+def _modes(channels: int, modes: int | Sequence[int], side: str, chosen: bool = True
+           ) -> list[int]:
+    """``channels`` as a list of mode sizes: given, or split into ``modes`` near-equal ones.
+    A split that needs a mode of size 1 is refused when the user ``chosen`` the number of
+    modes, and said in a warning when it is the format's default (one channel is all 1s)."""
     if not isinstance(modes, int):
         if math.prod(modes) != channels:
             raise SpecError(f"{side}_modes {tuple(modes)} multiply to {math.prod(modes)}, not "
                             f"{channels}", hint="the modes' product is the channels per group")
         return list(modes)
+    if modes == 1:
+        return [channels]
     factors, n, f = [], channels, 2
-    while n > 1:  # prime factors, largest first, dealt round-robin to the smallest mode
+    while f * f <= n:  # prime factors, dealt largest first to the smallest mode
         while n % f == 0:
             factors.append(f)
             n //= f
         f += 1
+    if n > 1:
+        factors.append(n)
     split = [1] * modes
     for f in sorted(factors, reverse=True):
         split[split.index(min(split))] *= f
+    if modes > 1 and 1 in split and channels > 1 and not chosen:
+        warnings.warn(f"{side}_channels={channels} has too few factors for {modes} modes: "
+                      f"using {tuple(sorted(split, reverse=True))}; give {side}_modes= to "
+                      "choose", stacklevel=4)
+    elif modes > 1 and 1 in split and channels > 1:
+        raise SpecError(f"{side}_channels={channels} has no split into {modes} modes above 1 "
+                        f"(factors: {', '.join(map(str, sorted(factors))) or 'none'})",
+                        hint=f"give {side}_modes=(...) explicitly, {side}_modes=1, or a channel "
+                        "count with more factors")
     return sorted(split, reverse=True)
 
 
 def _fit(make: Callable[[int], Format], budget: float) -> Format:
     """The format with the largest equal rank whose parameter count is within ``budget``."""
-    from .api import compile
 
     def params(r: int) -> int:
-        fmt = make(r)
-        return compile(fmt.spec, sizes=fmt.sizes).num_parameters
+        return _parameters(make(r))
 
     if params(1) > budget:
         raise SpecError(f"even rank 1 has {params(1)} parameters, over the budget of "
@@ -277,6 +307,11 @@ def _fit(make: Callable[[int], Format], budget: float) -> Format:
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if params(mid) <= budget else (lo, mid)
     return make(lo)
+
+
+def _parameters(fmt: Format) -> int:
+    from .api import compile
+    return compile(fmt.spec, sizes=fmt.sizes).num_parameters
 
 
 def _letters(n: int) -> list[str]:
