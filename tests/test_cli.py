@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import io
 import os
+import re
 import shutil
 import subprocess
 import sys
+from contextlib import redirect_stderr, redirect_stdout
+from types import SimpleNamespace
 from xml.etree import ElementTree
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import tnspec
 from tnspec import __version__
@@ -153,3 +159,132 @@ def test_help_documents_exit_codes_and_examples(capsys):
     with pytest.raises(SystemExit) as exc:
         main(["compile"])  # a usage error: argparse exits with 2
     assert exc.value.code == 2
+
+
+# ---- -o: what the output path may be -------------------------------------------------------
+
+CP = str(ROOT / "examples" / "cp.tn")
+
+
+def test_output_through_a_symlink_writes_the_target_and_keeps_the_link(tmp_path, capsys):
+    (tmp_path / "real.py").write_text("old")
+    (tmp_path / "link.py").symlink_to("real.py")
+    assert main(["compile", CP, "-o", str(tmp_path / "link.py")]) == 0
+    assert (tmp_path / "link.py").is_symlink()
+    assert "class Cp(nn.Module)" in (tmp_path / "real.py").read_text()
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs")
+def test_output_to_a_fifo_is_written_through(tmp_path, capsys):
+    fifo = tmp_path / "out.fifo"
+    os.mkfifo(fifo)
+    reader = subprocess.Popen(["cat", str(fifo)], stdout=subprocess.PIPE, text=True)
+    assert main(["compile", CP, "-o", str(fifo)]) == 0
+    text, _ = reader.communicate(timeout=30)
+    assert "class Cp(nn.Module)" in text
+    assert fifo.is_fifo()
+
+
+def test_output_to_a_character_device_is_written_through(capsys):
+    before = os.stat(os.devnull)
+    assert main(["compile", CP, "-o", os.devnull]) == 0
+    after = os.stat(os.devnull)
+    assert (after.st_ino, after.st_mode) == (before.st_ino, before.st_mode)
+
+
+def test_a_new_file_gets_the_umask_mode_and_a_replaced_file_keeps_its_mode(tmp_path, capsys):
+    old = os.umask(0o022)
+    try:
+        assert main(["compile", CP, "-o", str(tmp_path / "new.py")]) == 0
+        kept = tmp_path / "kept.py"
+        kept.write_text("old")
+        kept.chmod(0o640)
+        assert main(["compile", CP, "-o", str(kept)]) == 0
+    finally:
+        os.umask(old)
+    assert (tmp_path / "new.py").stat().st_mode & 0o777 == 0o644
+    assert kept.stat().st_mode & 0o777 == 0o640 and "class Cp" in kept.read_text()
+
+
+@pytest.mark.parametrize("target, message", [
+    ("missing/x.py", "the directory '.*missing' does not exist"),
+    ("adir", "is a directory"),
+    ("cp.tn", "it is the spec file being compiled"),
+])
+def test_an_unwritable_output_is_a_one_line_error_with_exit_2(target, message, tmp_path, capsys):
+    (tmp_path / "adir").mkdir()
+    spec = tmp_path / "cp.tn"
+    spec.write_text((ROOT / "examples" / "cp.tn").read_text())
+    assert main(["compile", str(spec), "-o", str(tmp_path / target)]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert re.search(f"tnspec: error: cannot write .*{target}: {message}", err)
+    assert spec.read_text().startswith("# CP convolution")  # the spec is never replaced
+
+
+@pytest.mark.parametrize("shape, message", [
+    ("b=0", "shape b=0 must be a positive int"),
+    ("b=-1", "shape b=-1 must be a positive int"),
+    ("h=-5", "shape h=-5 must be a positive int"),
+    ("c=5", "shape c=5: the spec fixes c=96"),
+    ("q=3", "shape q=3 names no index of the input"),
+])
+def test_bad_shapes_are_spec_errors_with_exit_2(shape, message, tmp_path, capsys):
+    out = tmp_path / "layer.py"
+    assert main(["compile", CP, "-o", str(out), "--shape", shape]) == 2
+    assert message in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_a_file_with_a_byte_order_mark_is_read(tmp_path, capsys):
+    spec = tmp_path / "bom.tn"
+    spec.write_bytes(b"\xef\xbb\xbf" + (ROOT / "examples" / "cp.tn").read_bytes())
+    assert main(["check", str(spec)]) == 0
+    assert "cp: 4 cores" in capsys.readouterr().out
+
+
+# ---- fuzzing -o, --shape and --set -------------------------------------------------------
+
+ASSIGNMENT = st.tuples(st.sampled_from(["b", "h", "w", "c", "r", "k", "o", "q", "", "h+kh-1"]),
+                       st.sampled_from(["0", "-1", "1", "7", "32", "x", "", "1e3", "99999999"]))
+TARGETS = ["new.py", "old.py", "link.py", "adir", "missing/x.py", "spec.tn", "dangling.py"]
+
+
+@settings(max_examples=60, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(target=st.sampled_from(TARGETS), shape=st.lists(ASSIGNMENT, max_size=3),
+       sets=st.lists(ASSIGNMENT, max_size=3))
+def test_compile_either_writes_a_module_or_exits_2_leaving_everything_as_it_was(
+        tmp_path_factory, target, shape, sets):
+    root = tmp_path_factory.mktemp("cli")
+    spec = root / "spec.tn"
+    spec.write_text((ROOT / "examples" / "cp.tn").read_text())
+    (root / "old.py").write_text("old")
+    (root / "adir").mkdir()
+    (root / "link.py").symlink_to("old.py")
+    (root / "dangling.py").symlink_to("nowhere.py")
+    before = {p.name: (p.is_symlink(), p.read_bytes() if p.is_file() else None)
+              for p in root.iterdir()}
+    args = ["compile", str(spec), "-o", str(root / target)]
+    if shape:
+        args += ["--shape", ",".join(f"{k}={v}" for k, v in shape)]
+    if sets:
+        args += ["--set", ",".join(f"{k}={v}" for k, v in sets)]
+    err = io.StringIO()
+    with redirect_stderr(err), redirect_stdout(io.StringIO()):
+        try:
+            code = main(args)  # anything but a SpecError or a usage error would raise here
+        except SystemExit as exc:  # argparse: a malformed NAME=INT
+            code = exc.code
+    result = SimpleNamespace(returncode=code, stderr=err.getvalue())
+    assert result.returncode in (0, 2), result.stderr
+    after = {p.name: (p.is_symlink(), p.read_bytes() if p.is_file() else None)
+             for p in root.iterdir()}
+    if result.returncode == 2:
+        assert after == before, result.stderr
+        return
+    written = (root / target).resolve()
+    compile(written.read_text(), str(written), "exec")
+    others = {p.name for p in root.iterdir() if p.resolve() != written}
+    assert {k: after[k] for k in others} == {k: before.get(k) for k in others}
+    assert (root / "link.py").is_symlink() and spec.read_text() == before["spec.tn"][1].decode()

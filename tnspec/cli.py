@@ -7,7 +7,9 @@ Exit codes: 0 success, 2 a spec error, unreadable file or usage error (like a co
 from __future__ import annotations
 
 import argparse
+import errno
 import os
+import stat
 import sys
 import tempfile
 from pathlib import Path
@@ -122,7 +124,7 @@ def _assignments(text: str) -> dict[str, int]:
 def _read(path: str) -> str:
     """The text of ``path``; a SpecError naming the file if it cannot be read."""
     try:
-        return Path(path).read_text(encoding="utf-8")
+        return Path(path).read_text(encoding="utf-8-sig")  # a byte-order mark is not text
     except (OSError, UnicodeDecodeError) as exc:
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
         raise SpecError(f"cannot read the file: {reason}", filename=path) from None
@@ -148,7 +150,7 @@ def _compile(args: argparse.Namespace) -> int:
                           source=args.file, sizes=args.set)
     except SpecError as exc:
         return _report(exc, args.file)
-    return _emit(args.output, source)
+    return _emit(args.output, source, args.file)
 
 
 def _explain(args: argparse.Namespace) -> int:
@@ -171,7 +173,7 @@ def _draw(args: argparse.Namespace) -> int:
         text = to_svg(dot) if args.output.endswith(".svg") else dot
     except SpecError as exc:
         return _report(exc, args.file)
-    return _emit(args.output, text)
+    return _emit(args.output, text, args.file)
 
 
 def _report(exc: SpecError, path: str) -> int:
@@ -181,23 +183,48 @@ def _report(exc: SpecError, path: str) -> int:
     return EXIT_SPEC
 
 
-def _emit(output: str, text: str) -> int:
-    """Write ``text`` to standard output (``-``) or, atomically, to the file ``output``."""
+def _emit(output: str, text: str, spec_file: str) -> int:
+    """Write ``text`` to standard output (``-``) or to the file ``output``: a regular file is
+    replaced atomically (keeping its mode), a FIFO or device is written through, a symlink is
+    followed. A path that cannot be written is a one-line error with the spec-error code."""
     if output == "-":
         sys.stdout.write(text)
-    else:
-        _write_atomically(Path(output), text)
-        print(f"wrote {output}", file=sys.stderr)
+        return EXIT_OK
+    path = Path(output)
+    try:
+        target = path.resolve() if path.is_symlink() else path
+        if target.is_dir():
+            raise OSError(errno.EISDIR, "is a directory")
+        if target.exists() and target.samefile(spec_file):
+            raise OSError(errno.EEXIST, "it is the spec file being compiled")
+        if not target.parent.is_dir():
+            raise OSError(errno.ENOENT, f"the directory {str(target.parent)!r} does not exist")
+        if target.exists() and not target.is_file():  # a FIFO, /dev/null, a terminal...
+            with open(target, "w", encoding="utf-8") as fh:
+                fh.write(text)
+        else:
+            _write_atomically(target, text)
+    except OSError as exc:
+        print(f"tnspec: error: cannot write {output}: {exc.strerror or exc}", file=sys.stderr)
+        return EXIT_SPEC
+    print(f"wrote {output}", file=sys.stderr)
     return EXIT_OK
 
 
 def _write_atomically(path: Path, text: str) -> None:
-    """Write to a temporary file beside ``path``, then rename it over ``path``."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent if str(path.parent) else ".",
-                               prefix=f".{path.name}.", suffix=".tmp")
+    """Write to a temporary file beside ``path``, then rename it over ``path``; the file gets
+    the mode of the one it replaces, or the umask's default for a new file."""
+    try:
+        mode = stat.S_IMODE(path.stat().st_mode)
+    except FileNotFoundError:
+        mask = os.umask(0)
+        os.umask(mask)
+        mode = 0o666 & ~mask
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
             fh.write(text)
+        os.chmod(tmp, mode)
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):

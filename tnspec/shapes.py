@@ -226,10 +226,17 @@ def example_shape(net: Network, given: Mapping[str, int], default: int = 32) -> 
     sizes = net.sizes
     known = set(sizes) | {c.source for c in net.convs} | {c.target for c in net.convs} | \
         set(net.input.indices)
-    for key in given:
+    for key, value in given.items():
         if key not in known:
-            raise SpecError(f"--shape names {key!r}, which is not an index of the input",
+            raise SpecError(f"shape {key}={value!r} names no index of the input",
                             hint="name batch indices and spatial output indices, e.g. b=32,h=32")
+        if key in sizes and not net.index(key).runtime:
+            raise SpecError(f"shape {key}={value!r}: the spec fixes {key}={sizes[key]}",
+                            hint="the shape gives batch and spatial sizes; set other sizes "
+                            "with --set (sizes= in Python)")
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise SpecError(f"shape {key}={value!r} must be a positive int",
+                            hint="plan for a typical input, e.g. b=32,h=32")
     by_source = {c.source: c.target for c in net.convs}
     dims = []
     for axis in net.input.axes:
