@@ -19,7 +19,9 @@ from tnspec.api import example_shape, generate
 from .test_backend import compare
 from .test_codegen import class_for, load
 
-pytestmark = pytest.mark.usefixtures("float64")
+pytestmark = [pytest.mark.usefixtures("float64"),  # tiny random layers, said in warnings:
+              pytest.mark.filterwarnings("ignore:.*of the dense layer it stands for"),
+              pytest.mark.filterwarnings("ignore:.*has too few factors")]
 HOSTILE = ["lambda", "def", "class", "self", "print", "sum", "len", "input", "os", "sys",
            "math", "t1", "t2", "t3", "x_r", "std", "F", "nn", "kh_in", "b_", "None"]
 FUZZ = settings(max_examples=100, deadline=None,
@@ -88,3 +90,59 @@ def test_inline_generated_and_dense_reference_agree(tmp_path, case):
     want = torch.autograd.grad((inline(x) * g).sum(), [x, *inline.parameters()])
     for a, b in zip(got, want):
         assert torch.allclose(a, b, rtol=1e-9, atol=1e-11), spec
+
+
+# ---- random .tn files: names, parameters, derived sizes and options from the grammar -------
+
+LAYER_NAMES = ["f", "F", "nn", "torch", "value_error", "exception", "conv", "my_layer",
+               "myLayer", "layer2", "x", "self", "print", "a_b_c", "Tensor"]
+OPTIONS = {"init": ["graph-in", "graph-out", "graph-avg", "kaiming-in", "xavier", "orthogonal"],
+           "activation": ["relu", "linear", "tanh", "gelu", "leaky_relu(0.2)", "0.7"],
+           "bias": ["true", "false"], "distribution": ["normal", "uniform"],
+           "stride_count": ["paper", "exact"]}
+
+
+@st.composite
+def tn_files(draw) -> str:
+    """A .tn file of 1 to 3 layers: each network's sizes become parameters (renamed at times),
+    some of them derived from the others, with random options."""
+    names = draw(st.lists(st.sampled_from(LAYER_NAMES), min_size=1, max_size=3, unique=True))
+    layers = []
+    for name in names:
+        spec, sizes = draw(networks())
+        items = list(sizes.items())
+        derived = draw(st.sets(st.sampled_from([k for k, _ in items]), max_size=2))
+        params = [f"{k}={v}" for k, v in items if k not in derived]
+        lines = []
+        for k in derived:  # k = v written as an expression of a new parameter
+            base = f"{k}_base"
+            form = draw(st.sampled_from([  # each is d + b
+                "{b} + {d}", "{b} * 2 - {b} + {d}", "({b} + {d}) // 1", "{d} + {b} * 1"]))
+            params.append(f"{base}={draw(st.integers(1, 3))}")
+            lines.append(f"{k} = " + form.format(b=base, d=sizes[k]) + f" - {base}")
+        for key, values in OPTIONS.items():
+            if draw(st.booleans()):
+                lines.append(f"{key}: {draw(st.sampled_from(values))}")
+        body = "\n    ".join(lines + [spec])
+        layers.append(f"layer {name}({', '.join(params)}) {{\n    {body}\n}}\n")
+    return "\n".join(layers)
+
+
+@FUZZ
+@given(tn_files())
+def test_random_tn_files_compile_import_and_equal_the_inline_layers(tmp_path, text):
+    try:
+        source = generate(text)
+    except tnspec.SpecError as exc:  # only what the checker refuses on purpose
+        assert re.search("clashes|reserved|starts with|would both be class", exc.message), \
+            exc.message
+        assume(False)
+    module = load(source, tmp_path, "tnfile")
+    for net in tnspec.compile_all(text):
+        torch.manual_seed(0)
+        inline = tnspec.layer(text, name=net.name, dtype=torch.float64)
+        generated = class_for(module, net)(dtype=torch.float64)
+        generated.load_state_dict(inline.state_dict())
+        shape = (2,) + example_shape(net, {}, default=7)[1:]
+        x = torch.randn(shape)
+        assert torch.allclose(inline(x), generated(x), rtol=1e-9, atol=1e-11), text
