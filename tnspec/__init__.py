@@ -9,9 +9,10 @@ Stages, one module each, importing only the stages above them: parse (text -> AS
 (AST -> ir.Network, with settings), ir (the data model), shapes (sizes and shape binding),
 backward (the reproducing transformation), analysis (backbone graphs), init (how cores are
 drawn), plan (contraction order, each step's op and axis split), lower (typed program), codegen
-(Python source), runtime (executes generated source: the one executor), report (``explain``),
-api (entry points) and cli (the ``tnspec`` command); around them: formats (named formats as spec
-text), convert (``tensorize`` an existing model) and draw (the hypergraph as Graphviz DOT).
+(Python source; ``lines`` breaks its lines), runtime (executes generated source: the one
+executor), report (``explain``), api (entry points) and cli (the ``tnspec`` command); around
+them: formats (named formats as spec text), convert (``tensorize`` an existing model) and draw
+(the hypergraph as Graphviz DOT).
 """
 
 from . import formats

@@ -16,7 +16,6 @@ from __future__ import annotations
 import builtins
 import keyword
 import math
-import re
 import textwrap
 from pathlib import PurePath
 from typing import Any, NamedTuple, Sequence
@@ -25,13 +24,13 @@ from ._version import __version__
 from .init import CoreInit, activation_scale, core_inits
 from .errors import SpecError
 from .ir import Formula, Network
+from .lines import (INDENT, WIDTH, comment, if_block, raise_block, spec_lines, wrap_assign,
+                    wrap_call, wrap_line)
 from .lower import from_cores
 from .program import (Bias, Call, CheckShape, Let, Namer, Node, Param, Program, Require, Unpack,
                       Var)
 from .shapes import Size
 
-INDENT = "    "
-WIDTH = 99
 _MODULE_NAMES = frozenset({"F", "nn", "torch"})  # the generated module's imports
 
 
@@ -83,11 +82,6 @@ def _attr(name: str) -> str:
         f"getattr(self, {name!r})"
 
 
-def _comment(text: str, indent: str) -> list[str]:
-    return [indent + "# " + line for line in textwrap.wrap(
-        text, WIDTH - len(indent) - 2, break_on_hyphens=False)]
-
-
 class _Class:
     def __init__(self, lay: LayerCode) -> None:
         self.p, self.net, self.summary = lay.program, lay.network, lay.summary
@@ -104,7 +98,7 @@ class _Class:
         wrapped = textwrap.wrap(text, WIDTH - 7)
         doc += [f'{INDENT}"""{wrapped[0]}'] + [INDENT + line for line in wrapped[1:]]
         doc[-1] += '"""'
-        spec = _spec_lines(net.spec, WIDTH - 16)
+        spec = spec_lines(net.spec, WIDTH - 16)
         if len(spec) == 1:
             doc += ["", f"{INDENT}spec = {net.spec!r}"]
         else:
@@ -125,12 +119,12 @@ class _Class:
         args = [f"{self.ctor(n)}: int = {v}" for n, v in net.params]
         args += ["*", f"bias: bool = {net.options.bias}", "dtype: torch.dtype | None = None",
                  "device: torch.device | str | None = None"]
-        lines = _wrap_call(f"{INDENT}def __init__(self, ", args, ") -> None:")
+        lines = wrap_call(f"{INDENT}def __init__(self, ", args, ") -> None:")
         lines.append(f"{i2}super().__init__()")
         for name, formula in net.derived:
-            lines += _wrap_line(f"{i2}{self.ctor(name)} = {_formula(formula, self.ctor)}")
+            lines += wrap_line(f"{i2}{self.ctor(name)} = {_formula(formula, self.ctor)}")
         items = [f"{n!r}: {self.ctor(n)}" for n in net.sizes if not net.index(n).runtime]
-        lines += _wrap_call(f"{i2}self.sizes = {{", items, "}")
+        lines += wrap_call(f"{i2}self.sizes = {{", items, "}")
         for core in net.cores:
             shape = [self.ctor(i) for i in core.indices] or ["()"]
             if _attr(core.name).startswith("self.") and core.name not in ("l", "O", "I"):
@@ -138,12 +132,12 @@ class _Class:
             else:  # not an identifier, or a name pycodestyle finds ambiguous
                 start = f"{i2}self.register_parameter({core.name!r}, nn.Parameter(torch.empty("
                 end = ")))"
-            lines += _wrap_call(start, shape + ["dtype=dtype", "device=device"], end)
+            lines += wrap_call(start, shape + ["dtype=dtype", "device=device"], end)
         dims = [" * ".join(self.ctor(i) for i in axis) for axis in net.output.axes
                 if from_cores(net, axis)]
         if dims:
             lines.append(f"{i2}if bias:")
-            lines += _wrap_call(f"{i2}{INDENT}self.bias = nn.Parameter(torch.zeros(",
+            lines += wrap_call(f"{i2}{INDENT}self.bias = nn.Parameter(torch.zeros(",
                                 dims + ["dtype=dtype", "device=device"], "))")
             lines.append(f"{i2}else:")
             lines.append(f"{i2}{INDENT}self.register_parameter('bias', None)")
@@ -168,7 +162,7 @@ class _Class:
         lines = [f"{INDENT}def reset_parameters(self) -> None:"]
         opts = net.options
         act = opts.activation if isinstance(opts.activation, str) else "scale"
-        lines += _comment(f"init {opts.init}, activation {act}: p_a = "
+        lines += comment(f"init {opts.init}, activation {act}: p_a = "
                           f"{activation_scale(opts):g}; {inits[0].why if inits else ''}", i2)
         lines += self.load_sizes(used, names, "self.sizes", i2)
         stds: dict[tuple, str] = {}
@@ -181,7 +175,7 @@ class _Class:
                 formula = f"{i2}{stds[key]} = {_std_text(ci, names)}"
                 note = f"{value:.6g} at the default sizes"
                 if len(formula) + len(note) + 4 > WIDTH:
-                    lines += [f"{i2}# {stds[key]} = {note}", *_wrap_line(formula)]
+                    lines += [f"{i2}# {stds[key]} = {note}", *wrap_line(formula)]
                 else:
                     lines.append(f"{formula}  # {note}")
         lines.append(f"{i2}with torch.no_grad():")
@@ -197,7 +191,7 @@ class _Class:
             return []
         targets = ", ".join(names("size:" + i, i) for i in used)
         values = ", ".join(f"{source}[{i!r}]" for i in used)
-        return _wrap_assign(indent, targets, values)
+        return wrap_assign(indent, targets, values)
 
     # ---- forward ----------------------------------------------------------------------------
 
@@ -208,7 +202,7 @@ class _Class:
         if p.sizes:
             targets = ", ".join(v for v, _ in p.sizes)
             values = ", ".join(f"self.sizes[{i!r}]" for _, i in p.sizes)
-            lines += _wrap_assign(i2, targets, values)
+            lines += wrap_assign(i2, targets, values)
         for node in p.nodes:
             lines += statement(node, i2)
         lines.append(f"{i2}return {p.result}")
@@ -248,7 +242,7 @@ def statement(node: Node, indent: str) -> list[str]:
         want = ", ".join(f"{t}={{{d}}}" if d is not None else t.replace("{", "{{")
                          for t, d in node.expected)
         msg = f"{node.tensor}: expected shape [{want}], got {{list({node.var}.shape)}}"
-        return _if(cond, indent) + _raise(msg, indent + INDENT)
+        return if_block(cond, indent) + raise_block(msg, indent + INDENT)
     if isinstance(node, Unpack):
         names = ", ".join(n if n is not None else "_" for n in node.names)
         return [f"{indent}{names}{',' if len(node.names) == 1 else ''} = {node.var}.shape"]
@@ -257,98 +251,39 @@ def statement(node: Node, indent: str) -> list[str]:
         line = f"{indent}{node.out} = {node.value}"
         if len(line + tail) <= WIDTH:
             return [line + tail]
-        return _comment(node.comment, indent) + _wrap_line(line)
+        return comment(node.comment, indent) + wrap_line(line)
     if isinstance(node, Require):
         if node.divisor is None:
             cond = f"{node.value} < 1"
         else:
             den = str(node.divisor) if node.divisor.is_atomic() else f"({node.divisor})"
             cond = f"{node.value} % {den}"
-        return _if(cond, indent) + _raise(_fstring(node.message), indent + INDENT)
+        return if_block(cond, indent) + raise_block(_fstring(node.message), indent + INDENT)
     if isinstance(node, Bias):
         shape = ", ".join(str(d) for d in node.shape)
         head = f"{indent}if self.bias is not None:  # {node.comment}"
         if len(head) > WIDTH:
-            head = _comment(node.comment, indent) + [f"{indent}if self.bias is not None:"]
+            head = comment(node.comment, indent) + [f"{indent}if self.bias is not None:"]
         return [*([head] if isinstance(head, str) else head),
-                *_wrap_line(f"{indent}{INDENT}{node.out} = {node.var} + "
+                *wrap_line(f"{indent}{INDENT}{node.out} = {node.var} + "
                             f"self.bias.reshape({shape})")]
     raise TypeError(f"codegen cannot print {type(node).__name__}")  # pragma: no cover
 
 
 def _call(node: Call, indent: str) -> list[str]:
-    comment = _comment(node.comment, indent) if node.comment else []
+    note = comment(node.comment, indent) if node.comment else []
     args = [arg(a) for a in node.args]
     if node.fn == "[]":  # x[:, :, ::stride]
         var, axis, step = args
         index = ", ".join([":"] * int(axis) + [f"::{step}"])
-        return comment + [f"{indent}{node.out} = {var}[{index}]"]
+        return note + [f"{indent}{node.out} = {var}[{index}]"]
     kwargs = [f"{k}={arg(v)}" for k, v in node.kwargs]
     if node.fn.startswith("."):
         rest = args[1:] + kwargs
         if node.fn == ".reshape" and not rest:
             rest = ["()"]  # a scalar
-        return comment + _wrap_call(f"{indent}{node.out} = {args[0]}{node.fn}(", rest, ")")
-    return comment + _wrap_call(f"{indent}{node.out} = {node.fn}(", args + kwargs, ")")
-
-
-def _if(cond: str, indent: str) -> list[str]:
-    line = f"{indent}if {cond}:"
-    if len(line) <= WIDTH:
-        return [line]
-    inner = indent + INDENT * 2  # a hanging indent, so the condition stands off the body
-    return [f"{indent}if ("] + [inner + part for part in textwrap.wrap(
-        cond, WIDTH - len(inner), break_long_words=False, break_on_hyphens=False)] + \
-        [f"{indent}):"]
-
-
-def _raise(message: str, indent: str) -> list[str]:
-    """``raise ValueError(f"...")``, the f-string split over lines at spaces if too long."""
-    one = f'{indent}raise ValueError(f"{message}")'
-    if len(one) <= WIDTH:
-        return [one]
-    inner = indent + INDENT
-    hoisted: list[str] = []  # a {...} too long for one line is computed before the raise
-    for n, expr in enumerate(e for e in re.findall(r"\{([^{}]*)\}", message)
-                             if len(e) > WIDTH // 2):
-        name = f"_expected{n or ''}"  # we raise next: a local of that name is not used again
-        hoisted += _wrap_line(f"{indent}{name} = {expr}")
-        message = message.replace("{" + expr + "}", "{" + name + "}", 1)
-    chunks = _split_text(message, WIDTH - len(inner) - 3)
-    return hoisted + [f"{indent}raise ValueError("] + \
-        [f'{inner}f"{c}"' for c in chunks[:-1]] + [f'{inner}f"{chunks[-1]}")']
-
-
-def _split_text(text: str, width: int) -> list[str]:
-    """``text`` cut after spaces into pieces of at most ``width`` (never inside ``{...}``)."""
-    pieces, depth, start, last_space = [], 0, 0, -1
-    for n, ch in enumerate(text):
-        depth += ch == "{"
-        depth -= ch == "}"
-        if ch == " " and depth == 0:
-            if n + 1 - start > width and last_space > start:
-                pieces.append(text[start:last_space + 1])
-                start = last_space + 1
-            last_space = n
-    if len(text) - start > width and last_space > start:
-        pieces.append(text[start:last_space + 1])
-        start = last_space + 1
-    return pieces + [text[start:]]
-
-
-def _spec_lines(spec: str, width: int) -> list[str]:
-    """The spec broken after ", " between operands so that each piece fits ``width``."""
-    pieces = []
-    for piece in spec.replace("], ", "],\0").split("\0"):
-        # an operand longer than a line is cut at its spaces (the pieces are joined by one)
-        pieces += [piece] if len(piece) <= width else piece.split(" ")
-    lines = [""]
-    for piece in pieces:
-        if lines[-1] and len(lines[-1]) + 1 + len(piece) > width:
-            lines.append(piece)
-        else:
-            lines[-1] = f"{lines[-1]} {piece}" if lines[-1] else piece
-    return lines
+        return note + wrap_call(f"{indent}{node.out} = {args[0]}{node.fn}(", rest, ")")
+    return note + wrap_call(f"{indent}{node.out} = {node.fn}(", args + kwargs, ")")
 
 
 def _formula(f: Formula, names: Namer) -> str:
@@ -370,44 +305,6 @@ def _std_text(ci: CoreInit, names: Namer) -> str:
     return f"({terms}) ** ({_fraction(ci.exponent)})"
 
 
-def _wrap_line(line: str, _retry: bool = True) -> list[str]:
-    """``line`` broken at spaces inside brackets (never inside a string), each continuation
-    aligned under the innermost open bracket; an assignment with no bracket to break in gets
-    its right-hand side parenthesized."""
-    if len(line) <= WIDTH:
-        return [line]
-    lines: list[str] = []
-    start, pad, stack, quote = 0, 0, [], ""
-    last: tuple[int, list[int]] | None = None  # a break point and the brackets open there
-    i = 0
-    while i < len(line):
-        ch = line[i]
-        if quote:
-            if ch == "\\":
-                i += 2
-                continue
-            quote = "" if ch == quote else quote
-        elif ch in "'\"":
-            quote = ch
-        elif ch in "([{":
-            stack.append(pad + i - start)
-        elif ch in ")]}":
-            stack.pop()
-        elif ch == " " and stack and line[i - 1] not in "([{":
-            last = (i, list(stack))
-        if pad + i - start >= WIDTH and last is not None:
-            cut, stack = last
-            lines.append(" " * pad + line[start:cut])
-            start, pad, last, i = cut + 1, stack[-1] + 1, None, cut + 1
-            continue
-        i += 1
-    lines.append(" " * pad + line[start:])
-    head, eq, rhs = line.partition(" = ")
-    if _retry and len(lines) == 1 and eq and not rhs.startswith("("):
-        return _wrap_line(f"{head} = ({rhs})", False)
-    return lines
-
-
 def _fraction(x: float) -> str:
     for den in range(1, 65):
         num = round(x * den)
@@ -425,44 +322,6 @@ def _draw(ci: CoreInit, target: str, std: str, ndim: int) -> str:
     if ci.method == "uniform":
         return f"{target}.uniform_(-(3 ** 0.5) * {std}, (3 ** 0.5) * {std})"
     return f"{target}.normal_(0, {std})"
-
-
-def _wrap_call(start: str, items: list[str], end: str) -> list[str]:
-    """``start`` + items joined by ", " + ``end``, continued under the opening bracket."""
-    one = start + ", ".join(items) + end
-    if len(one) <= WIDTH:
-        return [one]
-    cont = " " * (max(start.rfind(b) for b in "([{") + 1)
-    lines, line = [], start
-    for n, item in enumerate(items):
-        last = n == len(items) - 1
-        piece = item + ("" if last else ", ")
-        need = len(piece.rstrip()) + (len(end) if last else 0)
-        if len(line) + need > WIDTH and line.strip() not in ("", start.strip()):
-            lines.append(line.rstrip())
-            line = cont
-        line += piece
-    lines.append(line.rstrip() + end)
-    if any(len(line) > WIDTH for line in lines):  # an item too long: break inside items
-        return _wrap_line(one)
-    return lines
-
-
-def _wrap_assign(indent: str, targets: str, values: str) -> list[str]:
-    """``a, b = x, y`` split into as few such lines as fit."""
-    pairs = list(zip(targets.split(", "), values.split(", ")))
-    out: list[str] = []
-    while pairs:
-        n = 1
-        while n < len(pairs) and len(_assign(indent, pairs[:n + 1])) <= WIDTH:
-            n += 1
-        out.append(_assign(indent, pairs[:n]))
-        pairs = pairs[n:]
-    return out
-
-
-def _assign(indent: str, pairs: list[tuple[str, str]]) -> str:
-    return f"{indent}{', '.join(t for t, _ in pairs)} = {', '.join(v for _, v in pairs)}"
 
 
 def summary_line(plan: Any) -> str:

@@ -28,6 +28,7 @@ from opt_einsum.paths import DynamicProgramming, greedy
 from .cost import CostModel
 from .errors import SpecError
 from .ir import DEFAULT_MAX_BYTES, MAX_CONV_DIMS, Conv, Network, Role
+from .shapes import guard_bytes
 
 Path = list[tuple[int, ...]]
 
@@ -440,43 +441,7 @@ def plan(net: Network, planner: str = "auto", *, max_bytes: int = DEFAULT_MAX_BY
                             "before its convolution", hint="use planner='auto'")
         steps = replayed
     sizes = net.sizes
-    tensors = [(_operand(s.result), math.prod(sizes[i] for i in s.result.indices))
-               for s in steps]
-    tensors.append((f"the padded input {net.input.name}", _padded_input(net)))
-    tensors.append((f"the output {net.output.name}", math.prod(sizes[i] for i in
-                                                               net.output.indices)))
-    for what, elements in tensors:
-        if elements * itemsize > max_bytes:
-            raise SpecError(f"{what} would take {_bytes(elements * itemsize)} "
-                            f"({elements:,} elements at the batch {_batch(net)}), more than "
-                            f"the limit of {_bytes(max_bytes)}",
-                            hint="use a smaller batch, input or sizes, or raise max_bytes")
+    guard_bytes(net, [(_operand(s.result), math.prod(sizes[i] for i in s.result.indices))
+                      for s in steps], max_bytes, itemsize)
     positions = math.prod(net.sizes[i] for i in net.with_role(Role.BATCH, Role.SPATIAL_OUT))
     return Plan(net, tuple(steps), planner, net.dense_parameters * positions)
-
-
-def _padded_input(net: Network) -> int:
-    """Elements of the input once padded (and spread by an input dilation) for its convs."""
-    sizes, total = net.sizes, 1
-    for i in net.input.indices:
-        c = net.conv_of(i)
-        if c is None or c.source != i:
-            total *= sizes[i]
-            continue
-        spread = (sizes[i] - 1) * c.input_dilation + 1
-        k = sizes[str(c.kernel)] if c.kernel is not None else 1
-        window = (sizes[c.target] - 1) * c.stride + c.dilation * (k - 1) + 1
-        total *= max(spread + 2 * max(c.padding, 0), window)
-    return total
-
-
-def _batch(net: Network) -> str:
-    batch = [f"{i}={net.sizes[i]}" for i in net.with_role(Role.BATCH)]
-    return ", ".join(batch) if batch else "1"
-
-
-def _bytes(n: int) -> str:
-    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= size:
-            return f"{n / size:,.1f} {unit}"
-    return f"{n} bytes"

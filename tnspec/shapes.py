@@ -1,8 +1,8 @@
 """Shapes: symbolic sizes, the output-size formula, and binding a network to a data shape.
 
 Every stage that reasons about sizes uses this module: ``bind_shape`` (run-time sizes from the
-data's shape, for planning), ``check_shape`` (the error for a wrong shape), and
-:func:`conv_out` (PyTorch's output-size formula). ``conv_out`` is written once and evaluated
+data's shape, for planning), ``check_shape`` (the error for a wrong shape), ``guard_bytes``
+(the memory guard on a bound network) and :func:`conv_out` (PyTorch's output-size formula). ``conv_out`` is written once and evaluated
 both on ints (binding) and on :class:`Size` symbols (the code lowering emits), so the generated
 module computes sizes exactly as the planner did.
 
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Mapping, Sequence, Union
 
 from .errors import SpecError
-from .ir import Network, Tensor
+from .ir import Network, Role, Tensor
 
 Atom = Union[str, "FloorDiv"]
 Monomial = tuple  # sorted tuple of atoms; () is the constant term
@@ -245,3 +245,46 @@ def example_shape(net: Network, given: Mapping[str, int], default: int = 32) -> 
             n *= sizes.get(i) or given.get(i) or given.get(by_source.get(i, i)) or default
         dims.append(n)
     return tuple(dims)
+
+
+def guard_bytes(net: Network, intermediates: Sequence[tuple[str, int]], max_bytes: int,
+                itemsize: int) -> None:
+    """Raise SpecError if a tensor of the forward pass of ``net`` (bound to a shape) would take
+    more than ``max_bytes``: the padded input, each of ``intermediates`` (name, elements), the
+    output."""
+    sizes = net.sizes
+    tensors = [*intermediates, (f"the padded input {net.input.name}", _padded_input(net)),
+               (f"the output {net.output.name}", math.prod(sizes[i] for i in net.output.indices))]
+    for what, elements in tensors:
+        if elements * itemsize > max_bytes:
+            raise SpecError(f"{what} would take {_bytes(elements * itemsize)} "
+                            f"({elements:,} elements at the batch {_batch(net)}), more than "
+                            f"the limit of {_bytes(max_bytes)}",
+                            hint="use a smaller batch, input or sizes, or raise max_bytes")
+
+
+def _padded_input(net: Network) -> int:
+    """Elements of the input once padded (and spread by an input dilation) for its convs."""
+    sizes, total = net.sizes, 1
+    for i in net.input.indices:
+        c = net.conv_of(i)
+        if c is None or c.source != i:
+            total *= sizes[i]
+            continue
+        spread = (sizes[i] - 1) * c.input_dilation + 1
+        k = sizes[str(c.kernel)] if c.kernel is not None else 1
+        window = (sizes[c.target] - 1) * c.stride + c.dilation * (k - 1) + 1
+        total *= max(spread + 2 * max(c.padding, 0), window)
+    return total
+
+
+def _batch(net: Network) -> str:
+    batch = [f"{i}={net.sizes[i]}" for i in net.with_role(Role.BATCH)]
+    return ", ".join(batch) if batch else "1"
+
+
+def _bytes(n: int) -> str:
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:,.1f} {unit}"
+    return f"{n} bytes"
