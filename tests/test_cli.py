@@ -180,8 +180,11 @@ def test_output_to_a_fifo_is_written_through(tmp_path, capsys):
     fifo = tmp_path / "out.fifo"
     os.mkfifo(fifo)
     reader = subprocess.Popen(["cat", str(fifo)], stdout=subprocess.PIPE, text=True)
-    assert main(["compile", CP, "-o", str(fifo)]) == 0
-    text, _ = reader.communicate(timeout=30)
+    try:
+        assert main(["compile", CP, "-o", str(fifo)]) == 0
+        text, _ = reader.communicate(timeout=30)
+    finally:
+        reader.kill()  # a reader left waiting on a FIFO that was replaced would hang on
     assert "class Cp(nn.Module)" in text
     assert fifo.is_fifo()
 
