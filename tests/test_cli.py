@@ -144,7 +144,7 @@ def test_draw_svg_with_real_graphviz(path, tmp_path):
 
 
 def test_draw_refuses_an_unknown_suffix_and_bad_specs(tmp_path, capsys):
-    assert main(["draw", str(ROOT / "examples" / "cp.tn"), "-o", str(tmp_path / "a.png")]) == 2
+    assert main(["draw", str(ROOT / "examples" / "cp.tn"), "-o", str(tmp_path / "a.jpg")]) == 2
     assert "cannot tell the format of" in capsys.readouterr().err
     bad = tmp_path / "bad.tn"
     bad.write_text("x[b, c], W[c, o] -> y[b, o]\n")
@@ -300,3 +300,38 @@ def test_compile_either_writes_a_module_or_exits_2_leaving_everything_as_it_was(
     others = {p.name for p in root.iterdir() if p.resolve() != written}
     assert {k: after[k] for k in others} == {k: before.get(k) for k in others}
     assert (root / "link.py").is_symlink() and spec.read_text() == before["spec.tn"][1].decode()
+
+
+def test_draw_png_and_pdf_go_through_graphviz_as_bytes(tmp_path, monkeypatch, capsys):
+    fake = tmp_path / "dot"  # stands in for Graphviz: writes the format it was asked for
+    fake.write_text(f"#!{sys.executable}\nimport sys\nsys.stdin.read()\n"
+                    "sys.stdout.buffer.write(b'\\x89' + sys.argv[1].encode() + b'\\x00')\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    for fmt in ("png", "pdf"):
+        out = tmp_path / f"net.{fmt}"
+        assert main(["draw", str(ROOT / "examples" / "cp.tn"), "-o", str(out)]) == 0
+        assert out.read_bytes() == b"\x89-T" + fmt.encode() + b"\x00"
+
+
+@pytest.mark.skipif(shutil.which("dot") is None, reason="Graphviz's dot is not installed")
+def test_draw_png_and_pdf_with_real_graphviz(tmp_path):
+    for fmt, magic in (("png", b"\x89PNG"), ("pdf", b"%PDF")):
+        out = tmp_path / f"odd.{fmt}"
+        assert main(["draw", str(ROOT / "examples" / "odd.tn"), "-o", str(out)]) == 0
+        assert out.read_bytes().startswith(magic)
+
+
+def test_check_and_explain_take_set_and_layer(tmp_path, capsys):
+    two = tmp_path / "two.tn"
+    two.write_text((ROOT / "examples" / "cp.tn").read_text() + "\n" +
+                   (ROOT / "examples" / "tucker2.tn").read_text())
+    assert main(["check", str(two), "--layer", "cp", "--set", "r=4"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == 1 and out[0].startswith(f"{two}: cp: 4 cores, 792 parameters")
+    assert main(["check", str(two), "--set", "zz=4"]) == 2
+    assert "no layer has a parameter named 'zz'" in capsys.readouterr().err
+    assert main(["explain", str(ROOT / "examples" / "cp.tn"), "--set", "r=4"]) == 0
+    assert "hyperedge    r=4" in capsys.readouterr().out
+    assert main(["explain", str(two), "--layer", "cp", "--set", "q=4"]) == 2
+    assert "size q=4 names no parameter of the layer" in capsys.readouterr().err

@@ -67,11 +67,30 @@ def _merge(sizes: Mapping[str, int] | None, more: Mapping[str, int]) -> dict[str
     return {**(sizes or {}), **more}
 
 
-def compile_all(text: str, *, max_elements: int = DEFAULT_MAX_ELEMENTS) -> list[Network]:
-    """Every layer of ``text``, each with its default sizes."""
+def compile_all(text: str, *, names: Sequence[str] | None = None,
+                sizes: Mapping[str, int] | None = None,
+                max_elements: int = DEFAULT_MAX_ELEMENTS) -> list[Network]:
+    """The layers of ``text`` (those in ``names``, default all). ``sizes`` override the
+    parameters of the layers that declare them (as ``--set``); a size no chosen layer declares
+    is an error."""
     doc = parse(text)
     limit = _positive("max_elements", max_elements)
-    return [check(doc, layer=lay.name, max_elements=limit) for lay in doc.layers]
+    sizes = dict(sizes or {})
+    chosen = list(names) if names else [lay.name for lay in doc.layers]
+    unused = set(sizes) if doc.is_file else set()
+    nets = []
+    for name in chosen:
+        if doc.is_file:  # --set reaches the layers that declare the parameter
+            declared = {p.name for p in select_layer(doc, name).params}
+            own = {k: v for k, v in sizes.items() if k in declared}
+            unused -= set(own)
+        else:
+            own = sizes
+        nets.append(check(doc, layer=name, sizes=own, max_elements=limit))
+    if unused:
+        raise SpecError(f"no layer has a parameter named {sorted(unused)[0]!r}",
+                        hint="--set names a size parameter of a layer")
+    return nets
 
 
 def generate(text: str, /, *, names: Sequence[str] | None = None,
@@ -85,25 +104,12 @@ def generate(text: str, /, *, names: Sequence[str] | None = None,
     default 32 each); ``sizes`` and keyword sizes override the parameters of the layers that
     declare them.
     """
-    sizes = _merge(sizes, more_sizes)
-    doc = parse(text)
-    chosen = list(names) if names else [lay.name for lay in doc.layers]
-    unused = set(sizes) if doc.is_file else set()
     programs = []
-    for name in chosen:
-        if doc.is_file:  # --set reaches the layers that declare the parameter
-            declared = {p.name for p in select_layer(doc, name).params}
-            own = {k: v for k, v in sizes.items() if k in declared}
-            unused -= set(own)
-        else:
-            own = sizes
-        net = _with_options(check(doc, layer=name, sizes=own), init=init)
+    for net in compile_all(text, names=names, sizes=_merge(sizes, more_sizes)):
+        net = _with_options(net, init=init)
         bound = bind_shape(net, example_shape(net, shape or {}))
         the_plan = plan(bound, planner)
         programs.append(LayerCode(net, lower(the_plan), summary_line(the_plan)))
-    if unused:
-        raise SpecError(f"no layer has a parameter named {sorted(unused)[0]!r}",
-                        hint="--set names a size parameter of a layer")
     return codegen.generate(programs, source)
 
 

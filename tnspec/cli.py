@@ -19,7 +19,7 @@ from ._version import __version__
 from .api import compile, compile_all, generate
 from .report import explain
 from .shapes import example_shape
-from .draw import to_dot, to_svg
+from .draw import RENDERED, render, to_dot
 from .errors import SpecError
 from .settings import option_value
 
@@ -30,7 +30,8 @@ EPILOG = """examples:
   tnspec compile examples/htk2.tn -o layer.py
   tnspec compile examples/tr_conv.tn -o - --shape b=128,h=32,w=32 --set r=8 --init graph-out
   tnspec explain examples/htk2.tn --init graph-out
-  tnspec draw examples/odd.tn -o odd.svg        (SVG needs Graphviz; .dot works without)
+  tnspec check examples/tr_conv.tn --set r=4
+  tnspec draw examples/odd.tn -o odd.svg        (SVG, PNG, PDF need Graphviz; .dot does not)
 
 exit codes:
   0  success
@@ -61,6 +62,10 @@ def _parser() -> argparse.ArgumentParser:
                            description="Check .tn files; print FILE:LINE:COL errors or one "
                            "summary line per layer. Exit code 2 on any error.")
     check.add_argument("files", nargs="+", metavar="FILE")
+    check.add_argument("--layer", action="append", metavar="NAME",
+                       help="check only this layer (may be repeated)")
+    check.add_argument("--set", type=_assignments, default={}, metavar="r=8,...",
+                       help="override size parameters of the layers that declare them")
     check.set_defaults(run=_check)
 
     comp = sub.add_parser("compile", help="write a standalone PyTorch module",
@@ -78,15 +83,18 @@ def _parser() -> argparse.ArgumentParser:
                           "its forward and backward networks, the variance formula with "
                           "numbers, the std of each core, the compression and the plan.")
     expl.add_argument("file", metavar="FILE")
+    expl.add_argument("--set", type=_assignments, default={}, metavar="r=8,...",
+                      help="override size parameters of the layer")
     _layer_options(expl, "the layer (default: the only one)", "store",
                    "explain this init instead of the layer's")
     expl.set_defaults(run=_explain)
 
-    draw = sub.add_parser("draw", help="draw a layer's hypergraph as Graphviz DOT or SVG",
-                          description="Draw the tensor network: operands, edges labelled with "
-                          "their sizes, hyperedges as points, convolutions as dummy tensors P. "
-                          "The format follows OUT's suffix: .dot, or .svg (needs Graphviz).")
-    _file_options(draw, "net.dot, net.svg, or - for DOT on standard output",
+    draw = sub.add_parser("draw", help="draw a layer's hypergraph as Graphviz DOT, SVG, PNG or "
+                          "PDF", description="Draw the tensor network: operands, edges labelled "
+                          "with their sizes, hyperedges as points, convolutions as dummy "
+                          "tensors P. The format follows OUT's suffix: .dot, or .svg, .png, "
+                          ".pdf (these need Graphviz).")
+    _file_options(draw, "net.dot, net.svg, net.png, net.pdf, or - for DOT on standard output",
                   "override size parameters")
     draw.add_argument("--layer", metavar="NAME", help="the layer (default: the only one)")
     draw.set_defaults(run=_draw)
@@ -134,7 +142,7 @@ def _check(args: argparse.Namespace) -> int:
     status = EXIT_OK
     for path in args.files:
         try:
-            networks = compile_all(_read(path))
+            networks = compile_all(_read(path), names=args.layer, sizes=args.set)
         except SpecError as exc:
             status = _report(exc, path)
             continue
@@ -155,7 +163,7 @@ def _compile(args: argparse.Namespace) -> int:
 
 def _explain(args: argparse.Namespace) -> int:
     try:
-        net = compile(_read(args.file), name=args.layer)
+        net = compile(_read(args.file), name=args.layer, sizes=args.set)
         if args.init is not None:
             option_value("init", args.init)
         print(explain(net, args.init, example_shape(net, args.shape)))
@@ -166,14 +174,15 @@ def _explain(args: argparse.Namespace) -> int:
 
 def _draw(args: argparse.Namespace) -> int:
     try:
-        if args.output != "-" and Path(args.output).suffix not in (".dot", ".gv", ".svg"):
+        suffix = Path(args.output).suffix
+        if args.output != "-" and suffix not in (".dot", ".gv") + RENDERED:
             raise SpecError(f"cannot tell the format of {args.output!r}",
-                            hint="end the output name in .dot or .svg")
+                            hint="end the output name in .dot, .svg, .png or .pdf")
         dot = to_dot(compile(_read(args.file), name=args.layer, sizes=args.set))
-        text = to_svg(dot) if args.output.endswith(".svg") else dot
+        out: str | bytes = render(dot, suffix[1:]) if suffix in RENDERED else dot
     except SpecError as exc:
         return _report(exc, args.file)
-    return _emit(args.output, text, args.file)
+    return _emit(args.output, out, args.file)
 
 
 def _report(exc: SpecError, path: str) -> int:
@@ -183,13 +192,14 @@ def _report(exc: SpecError, path: str) -> int:
     return EXIT_SPEC
 
 
-def _emit(output: str, text: str, spec_file: str) -> int:
+def _emit(output: str, text: str | bytes, spec_file: str) -> int:
     """Write ``text`` to standard output (``-``) or to the file ``output``: a regular file is
     replaced atomically (keeping its mode), a FIFO or device is written through, a symlink is
     followed. A path that cannot be written is a one-line error with the spec-error code."""
     if output == "-":
-        sys.stdout.write(text)
+        sys.stdout.write(text if isinstance(text, str) else text.decode())
         return EXIT_OK
+    data = text.encode("utf-8") if isinstance(text, str) else text
     path = Path(output)
     try:
         target = path.resolve() if path.is_symlink() else path
@@ -200,10 +210,10 @@ def _emit(output: str, text: str, spec_file: str) -> int:
         if not target.parent.is_dir():
             raise OSError(errno.ENOENT, f"the directory {str(target.parent)!r} does not exist")
         if target.exists() and not target.is_file():  # a FIFO, /dev/null, a terminal...
-            with open(target, "w", encoding="utf-8") as fh:
-                fh.write(text)
+            with open(target, "wb") as fh:
+                fh.write(data)
         else:
-            _write_atomically(target, text)
+            _write_atomically(target, data)
     except OSError as exc:
         print(f"tnspec: error: cannot write {output}: {exc.strerror or exc}", file=sys.stderr)
         return EXIT_SPEC
@@ -211,7 +221,7 @@ def _emit(output: str, text: str, spec_file: str) -> int:
     return EXIT_OK
 
 
-def _write_atomically(path: Path, text: str) -> None:
+def _write_atomically(path: Path, data: bytes) -> None:
     """Write to a temporary file beside ``path``, then rename it over ``path``; the file gets
     the mode of the one it replaces, or the umask's default for a new file."""
     try:
@@ -222,8 +232,8 @@ def _write_atomically(path: Path, text: str) -> None:
         mode = 0o666 & ~mask
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
         os.chmod(tmp, mode)
         os.replace(tmp, path)
     except BaseException:

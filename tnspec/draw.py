@@ -52,18 +52,27 @@ def to_dot(net: Network) -> str:
     return "\n".join(lines) + "\n"
 
 
-def to_svg(dot: str) -> str:
-    """Render DOT source to SVG with Graphviz's ``dot`` program."""
+#: the formats Graphviz renders for ``tnspec draw`` (by the output's suffix)
+RENDERED = (".svg", ".png", ".pdf")
+
+
+def render(dot: str, fmt: str) -> bytes:
+    """DOT source rendered by Graphviz's ``dot`` program to ``fmt`` (svg, png or pdf)."""
     exe = shutil.which("dot")
     if exe is None:
-        raise SpecError("SVG output needs Graphviz's `dot` program, which is not on PATH",
-                        hint="install Graphviz (e.g. apt install graphviz), or write a .dot "
-                        "file and render it elsewhere")
-    result = subprocess.run([exe, "-Tsvg"], input=dot, capture_output=True, text=True,
+        raise SpecError(f"{fmt.upper()} output needs Graphviz's `dot` program, which is not on "
+                        "PATH", hint="install Graphviz (e.g. apt install graphviz), or write a "
+                        ".dot file and render it elsewhere")
+    result = subprocess.run([exe, f"-T{fmt}"], input=dot.encode("utf-8"), capture_output=True,
                             timeout=60)
     if result.returncode != 0:
-        raise SpecError(f"Graphviz failed: {result.stderr.strip()}")
+        raise SpecError(f"Graphviz failed: {result.stderr.decode(errors='replace').strip()}")
     return result.stdout
+
+
+def to_svg(dot: str) -> str:
+    """Render DOT source to SVG with Graphviz's ``dot`` program."""
+    return render(dot, "svg").decode("utf-8")
 
 
 def _label(t: Tensor) -> str:

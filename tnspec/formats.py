@@ -30,6 +30,9 @@ if TYPE_CHECKING:
     from .api import Layer
 
 IntOrTuple = int | Sequence[int]
+Rank = int | float | Sequence[int]
+Padding = int | Sequence[int] | str
+Modes = int | Sequence[int] | None
 SPATIAL = {1: ("h",), 2: ("h", "w"), 3: ("d", "h", "w")}
 
 
@@ -132,13 +135,27 @@ NAMES = tuple(_FORMATS)
 
 
 def build(format: str, in_channels: int, out_channels: int, kernel_size: IntOrTuple = (),
-          *, rank: int | float | Sequence[int] = 8, stride: IntOrTuple = 1,
-          padding: IntOrTuple | str = 0, dilation: IntOrTuple = 1, groups: int = 1,
-          in_modes: int | Sequence[int] | None = None,
-          out_modes: int | Sequence[int] | None = None, phi: int | None = None,
-          blocks: int = 2) -> Format:
-    """The named ``format`` (one of :data:`NAMES`) for these shapes; see the module docstring.
-    ``blocks`` is the number of Tucker terms of ``block_term``."""
+          *, rank: Rank = 8, stride: IntOrTuple = 1, padding: Padding = 0,
+          dilation: IntOrTuple = 1, groups: int = 1, in_modes: Modes = None,
+          out_modes: Modes = None, phi: int | None = None, blocks: int = 2) -> Format:
+    """The named ``format`` (one of :data:`NAMES`) for a layer of these shapes.
+
+    Args:
+        in_channels, out_channels: channels (features, for a linear layer), as ``nn.Conv2d``.
+        kernel_size: an int (a square 2-D kernel), a tuple (1-D to 3-D), or ``()`` for a
+            linear layer.
+        rank: an int for every rank edge, a tuple with one per edge, or a float in (0, 1]: the
+            largest equal rank whose layer has at most that share of the dense parameters.
+        stride, padding, dilation: as ``nn.Conv2d`` (an int or one per spatial axis);
+            ``padding="same"`` for stride 1 and an odd dilated kernel.
+        groups: as ``nn.Conv2d``; a parallel index ``g`` on every core.
+        in_modes, out_modes: the channels per group as a product of modes (a tuple), or a
+            number of near-equal modes (an int); default 2 for tt, tr and odd, else 1.
+        phi: a hyperedge of this size carried by every core (htk2: 4 by default).
+        blocks: the number of Tucker terms of ``block_term``.
+
+    Raises :class:`SpecError` for sizes that are not positive ints, or that do not fit the
+    format; warns when the layer has more parameters than the dense one."""
     if format not in _FORMATS:
         raise SpecError(f"unknown format {format!r}", hint=f"choose one of {', '.join(NAMES)}")
     builder, count, names = _FORMATS[format]
@@ -318,17 +335,107 @@ def _letters(n: int) -> list[str]:
     return [chr(ord("A") + i) for i in range(n)] if n <= 26 else [f"V{i}" for i in range(n)]
 
 
-def _named(fmt: str) -> Callable[..., Format]:
-    def named(in_channels: int, out_channels: int, kernel_size: IntOrTuple = (),
-              **kwargs: Any) -> Format:
-        return build(fmt, in_channels, out_channels, kernel_size, **kwargs)
-    named.__name__ = named.__qualname__ = fmt
-    named.__doc__ = f"The {fmt.replace('_', ' ')} format; arguments as :func:`build`."
-    return named
+def _arguments(given: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in given.items() if k != "__class__"}
 
 
-standard, low_rank, cp, tucker, tucker2, htk2 = (_named(f) for f in NAMES[:6])
-tt, tr, block_term, odd, hypernet, depthwise_separable = (_named(f) for f in NAMES[6:])
+# ---- the named formats: explicit signatures, so that editors show every argument ------------
+
+
+def standard(in_channels: int, out_channels: int, kernel_size: IntOrTuple = (), *,
+             rank: Rank = 8, stride: IntOrTuple = 1, padding: Padding = 0,
+             dilation: IntOrTuple = 1, groups: int = 1, in_modes: Modes = None,
+             out_modes: Modes = None, phi: int | None = None) -> Format:
+    """The dense layer itself, one core ``W[o, c, k...]``: exactly ``nn.ConvNd``/``nn.Linear``. Arguments as :func:`build`."""
+    return build("standard", **_arguments(locals()))
+
+
+def low_rank(in_channels: int, out_channels: int, kernel_size: IntOrTuple = (), *,
+             rank: Rank = 8, stride: IntOrTuple = 1, padding: Padding = 0,
+             dilation: IntOrTuple = 1, groups: int = 1, in_modes: Modes = None,
+             out_modes: Modes = None, phi: int | None = None) -> Format:
+    """Two cores: input side (with the kernel) and output side, joined by one rank. Arguments as :func:`build`."""
+    return build("low_rank", **_arguments(locals()))
+
+
+def cp(in_channels: int, out_channels: int, kernel_size: IntOrTuple = (), *,
+       rank: Rank = 8, stride: IntOrTuple = 1, padding: Padding = 0,
+       dilation: IntOrTuple = 1, groups: int = 1, in_modes: Modes = None,
+       out_modes: Modes = None, phi: int | None = None) -> Format:
+    """CP (Lebedev et al. 2015): one factor per mode and kernel axis, one rank hyperedge. Arguments as :func:`build`."""
+    return build("cp", **_arguments(locals()))
+
+
+def tucker(in_channels: int, out_channels: int, kernel_size: IntOrTuple = (), *,
+           rank: Rank = 8, stride: IntOrTuple = 1, padding: Padding = 0,
+           dilation: IntOrTuple = 1, groups: int = 1, in_modes: Modes = None,
+           out_modes: Modes = None, phi: int | None = None) -> Format:
+    """Tucker: a factor per mode and kernel axis around a core of all ranks. Arguments as :func:`build`."""
+    return build("tucker", **_arguments(locals()))
+
+
+def tucker2(in_channels: int, out_channels: int, kernel_size: IntOrTuple = (), *,
+            rank: Rank = 8, stride: IntOrTuple = 1, padding: Padding = 0,
+            dilation: IntOrTuple = 1, groups: int = 1, in_modes: Modes = None,
+            out_modes: Modes = None, phi: int | None = None) -> Format:
+    """Tucker-2 (Kim et al. 2016): 1x1 reduction, a ``r0 -> r1`` conv core, 1x1 expansion. Arguments as :func:`build`."""
+    return build("tucker2", **_arguments(locals()))
+
+
+def htk2(in_channels: int, out_channels: int, kernel_size: IntOrTuple = (), *,
+         rank: Rank = 8, stride: IntOrTuple = 1, padding: Padding = 0,
+         dilation: IntOrTuple = 1, groups: int = 1, in_modes: Modes = None,
+         out_modes: Modes = None, phi: int | None = 4) -> Format:
+    """Hyper Tucker-2 (Pan et al. 2022, Fig. 5): Tucker-2 with a hyperedge ``phi`` (default 4). Arguments as :func:`build`."""
+    return build("htk2", **_arguments(locals()))
+
+
+def tt(in_channels: int, out_channels: int, kernel_size: IntOrTuple = (), *,
+       rank: Rank = 8, stride: IntOrTuple = 1, padding: Padding = 0,
+       dilation: IntOrTuple = 1, groups: int = 1, in_modes: Modes = None,
+       out_modes: Modes = None, phi: int | None = None) -> Format:
+    """Tensor train (Garipov et al. 2016): a kernel core, then a core per (in, out) mode pair. Arguments as :func:`build`."""
+    return build("tt", **_arguments(locals()))
+
+
+def tr(in_channels: int, out_channels: int, kernel_size: IntOrTuple = (), *,
+       rank: Rank = 8, stride: IntOrTuple = 1, padding: Padding = 0,
+       dilation: IntOrTuple = 1, groups: int = 1, in_modes: Modes = None,
+       out_modes: Modes = None, phi: int | None = None) -> Format:
+    """Tensor ring (Wang et al. 2018): mode cores and a kernel core on one ring of ranks. Arguments as :func:`build`."""
+    return build("tr", **_arguments(locals()))
+
+
+def block_term(in_channels: int, out_channels: int, kernel_size: IntOrTuple = (), *,
+               rank: Rank = 8, stride: IntOrTuple = 1, padding: Padding = 0,
+               dilation: IntOrTuple = 1, groups: int = 1, in_modes: Modes = None,
+               out_modes: Modes = None, phi: int | None = None, blocks: int = 2) -> Format:
+    """Block-term: a sum of ``blocks`` Tucker terms (the block index is a hyperedge). Arguments as :func:`build`."""
+    return build("block_term", **_arguments(locals()))
+
+
+def odd(in_channels: int, out_channels: int, kernel_size: IntOrTuple = (), *,
+        rank: Rank = 8, stride: IntOrTuple = 1, padding: Padding = 0,
+        dilation: IntOrTuple = 1, groups: int = 1, in_modes: Modes = None,
+        out_modes: Modes = None, phi: int | None = None) -> Format:
+    """The Odd-like network: 9 cores, 14 ranks, 2 input and 2 output modes. Arguments as :func:`build`."""
+    return build("odd", **_arguments(locals()))
+
+
+def hypernet(in_channels: int, out_channels: int, kernel_size: IntOrTuple = (), *,
+             rank: Rank = 8, stride: IntOrTuple = 1, padding: Padding = 0,
+             dilation: IntOrTuple = 1, groups: int = 1, in_modes: Modes = None,
+             out_modes: Modes = None, phi: int | None = None) -> Format:
+    """A hyper-edged network: input, kernel and output cores sharing one rank hyperedge. Arguments as :func:`build`."""
+    return build("hypernet", **_arguments(locals()))
+
+
+def depthwise_separable(in_channels: int, out_channels: int, kernel_size: IntOrTuple = (), *,
+                        rank: Rank = 8, stride: IntOrTuple = 1, padding: Padding = 0,
+                        dilation: IntOrTuple = 1, groups: int = 1, in_modes: Modes = None,
+                        out_modes: Modes = None, phi: int | None = None) -> Format:
+    """Depthwise conv then pointwise 1x1 (MobileNet); no rank, no groups. Arguments as :func:`build`."""
+    return build("depthwise_separable", **_arguments(locals()))
 
 
 def random(seed: int, *, vertices: tuple[int, int] = (4, 8), modes: tuple[int, int] = (2, 3),
