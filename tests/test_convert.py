@@ -155,7 +155,7 @@ def test_layers_that_cannot_be_expressed_are_skipped_with_a_reason():
     assert "even rank 1 has" in reasons["3"]
     assert "MultiheadAttention reads" in reasons["5.out_proj"]
     assert not report.replaced
-    assert "skipped: padding_mode='reflect'" in str(report)
+    assert "skipped 1 x Conv2d (0): padding_mode='reflect'" in str(report)
 
 
 def test_include_and_exclude_select_layers():
@@ -196,3 +196,32 @@ def test_a_tensorized_model_trains_and_round_trips():
     clone = copy.deepcopy(model)
     clone.load_state_dict(model.state_dict())
     assert torch.equal(clone(x), model(x))
+
+
+def test_tied_weights_stay_tied_and_skipped_kinds_are_counted():
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb, self.mid = nn.Embedding(100, 64), nn.Linear(64, 64)
+            self.head = nn.Linear(64, 100, bias=False)
+            self.head.weight = self.emb.weight  # as language models tie them
+            self.up = nn.ConvTranspose2d(4, 4, 3)
+            self.dw1, self.dw2 = nn.Conv2d(8, 8, 3, groups=8), nn.Conv2d(8, 8, 3, groups=8)
+            self.shared = nn.Linear(64, 64)
+            self.again = self.shared  # one module under two names
+
+        def forward(self, x):
+            return self.head(self.again(self.shared(self.mid(self.emb(x)))))
+
+    model, report = tnspec.tensorize(Tied(), "tucker2", rank=0.5)
+    assert model.head.weight is model.emb.weight and isinstance(model.head, nn.Linear)
+    assert model.shared is model.again and isinstance(model.shared, nn.Linear)
+    assert [r.name for r in report.replaced] == ["mid"]
+    text = str(report)
+    assert "skipped 1 x Linear (head): its parameters are shared with 'emb' (tied weights)" \
+        in text
+    assert "skipped 1 x Linear (shared): its parameters are shared with 'again'" in text
+    assert "skipped 2 x Conv2d (dw1, dw2): a depthwise conv" in text
+    assert "not a kind tensorize replaces: 1 x ConvTranspose2d, 1 x Embedding" in text
+    x = torch.randint(0, 100, (3,))
+    assert model(x).shape == (3, 100)

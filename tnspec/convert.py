@@ -67,9 +67,11 @@ class Report:
 
     format: str
     replaced: tuple[Replacement, ...]
-    skipped: tuple[tuple[str, str], ...]
+    skipped: tuple[tuple[str, str], ...]  # (name, why), in model order
     params_before: int
     params_after: int
+    skipped_kinds: tuple[tuple[str, str], ...] = ()  # (kind, why) beside each skipped name
+    other: tuple[tuple[str, int], ...] = ()  # kinds with parameters tensorize never replaces
 
     def __str__(self) -> str:
         lines = [f"tensorize: {len(self.replaced)} layer(s) to {self.format}, "
@@ -80,8 +82,16 @@ class Report:
             lines.append(f"  {r.name}: {r.before}")
             lines.append(f"      {r.params_before:,} -> {r.params_after:,} params, init for "
                          f"{r.activation} ({r.activation_from})")
-        for name, why in self.skipped:
-            lines.append(f"  {name}: skipped: {why}")
+        groups: dict[tuple[str, str], list[str]] = {}
+        for (name, why), (kind, _) in zip(self.skipped, self.skipped_kinds or
+                                          [("layer", "")] * len(self.skipped)):
+            groups.setdefault((kind, why), []).append(name)
+        for (kind, why), names in groups.items():  # one line per kind and reason
+            shown = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
+            lines.append(f"  skipped {len(names)} x {kind} ({shown}): {why}")
+        if self.other:
+            lines.append("  not a kind tensorize replaces: " +
+                         ", ".join(f"{n} x {kind}" for kind, n in self.other))
         return "\n".join(lines)
 
 
@@ -112,24 +122,52 @@ def tensorize(model: nn.Module, format: str = "tucker2", *, rank: int | float = 
                         hint=f"choose one of {', '.join(formats.NAMES)}")
     before = sum(p.numel() for p in model.parameters())
     following = _following_activations(model)
-    replaced, skipped = [], []
+    tied = _tied(model)
+    replaced, skipped, kinds = [], [], []
+    other: dict[str, int] = {}
     for name, module in list(model.named_modules()):
-        if not isinstance(module, (nn.Linear, *_CONVS)) or isinstance(module, Layer) \
-                or not _selected(name, module, include, exclude):
+        if not isinstance(module, (nn.Linear, *_CONVS)) or isinstance(module, Layer):
+            if not isinstance(module, Layer) and not any(
+                    isinstance(m, Layer) for m in module.modules()) and \
+                    any(True for _ in module.parameters(recurse=False)):
+                other[type(module).__name__] = other.get(type(module).__name__, 0) + 1
+            continue
+        if not _selected(name, module, include, exclude):
             continue
         act, source = (activation, "given") if activation is not None else \
             following.get(name, ("linear", "no activation found after it"))
         try:
+            if name in tied:
+                raise SpecError(tied[name])
             new = _replacement(module, format, rank, init, act, options)
         except SpecError as exc:
             skipped.append((name, exc.message))
+            kinds.append((type(module).__name__, exc.message))
             continue
         _set_submodule(model, name, new)
         replaced.append(Replacement(name, repr(module), new.spec,
                                     sum(p.numel() for p in module.parameters()),
                                     sum(p.numel() for p in new.parameters()), str(act), source))
     after = sum(p.numel() for p in model.parameters())
-    return model, Report(format, tuple(replaced), tuple(skipped), before, after)
+    return model, Report(format, tuple(replaced), tuple(skipped), before, after, tuple(kinds),
+                         tuple(sorted(other.items())))
+
+
+def _tied(model: nn.Module) -> dict[str, str]:
+    """``{layer name: why}`` for the modules whose parameters are shared with another module,
+    or that are registered under two names: replacing one would untie them."""
+    owners: dict[int, list[str]] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        for p in module.parameters(recurse=False):
+            owners.setdefault(id(p), []).append(name)
+    tied: dict[str, str] = {}
+    for names in owners.values():
+        for name in dict.fromkeys(names):
+            others = [n for n in dict.fromkeys(names) if n != name]
+            if others:
+                tied[name] = (f"its parameters are shared with {others[0]!r} (tied weights); "
+                              "left alone so that they stay tied")
+    return tied
 
 
 def _replacement(module: nn.Module, format: str, rank: int | float, init: str,
