@@ -152,3 +152,48 @@ def test_a_default_mode_split_that_needs_a_mode_of_1_is_said():
 
 def test_large_prime_channel_counts_split_at_once():
     assert formats.cp(1_000_000_007, 1, (), rank=1).sizes["c"] == 1_000_000_007
+
+
+CONV_ATTRS = ("in_channels", "out_channels", "kernel_size", "stride", "padding", "dilation",
+              "groups")
+
+
+@pytest.mark.parametrize("fmt", ["standard", "cp", "tucker2", "tt", "tr", "htk2"])
+@pytest.mark.parametrize("kernel, kwargs", [
+    ((3,), dict(stride=2, padding=1)),
+    ((3, 5), dict(stride=(1, 2), padding=(1, 0), dilation=(2, 1), groups=2)),
+    ((3, 1, 3), dict(padding=1)),
+])
+def test_conv_like_layers_have_nn_conv_attributes_and_take_unbatched_input(fmt, kernel, kwargs,
+                                                                             tmp_path):
+    from .test_codegen import class_for, load
+    fmt_ = formats.build(fmt, 8, 12, kernel, rank=2, **kwargs)
+    dense = (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)[len(kernel) - 1](
+        8, 12, kernel, **kwargs)
+    inline = fmt_.layer()
+    module = load(tnspec.generate(fmt_.spec, sizes=fmt_.sizes), tmp_path, "attrs")
+    generated = class_for(module, inline.network)()
+    tensorized, _ = tnspec.tensorize(torch.nn.Sequential(dense), fmt, rank=2)
+    for layer in (inline, generated, tensorized[0]):
+        assert {a: getattr(layer, a) for a in CONV_ATTRS} == \
+            {a: getattr(dense, a) for a in CONV_ATTRS}
+    generated.load_state_dict(inline.state_dict())
+    x = torch.randn(8, *[7] * len(kernel))
+    for layer in (inline, generated):
+        y = layer(x)
+        assert y.shape == dense(x).shape
+        assert torch.allclose(y, layer(x.unsqueeze(0))[0])
+
+
+@pytest.mark.parametrize("fmt", ["standard", "low_rank", "tt", "tr", "odd"])
+def test_linear_like_layers_have_nn_linear_attributes(fmt, tmp_path):
+    from .test_codegen import class_for, load
+    fmt_ = formats.build(fmt, 16, 36, (), rank=2)
+    inline = fmt_.layer()
+    module = load(tnspec.generate(fmt_.spec, sizes=fmt_.sizes), tmp_path, "lin")
+    generated = class_for(module, inline.network)()
+    for layer in (inline, generated):
+        assert (layer.in_features, layer.out_features) == (16, 36)
+        assert layer(torch.randn(16)).shape == (36,)
+    assert not hasattr(tnspec.layer("x[b, c, h], W[c, o] -> y[b, o, h]", c=2, o=3),
+                       "in_channels")  # not a conv: no spatial relation

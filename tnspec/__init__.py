@@ -11,14 +11,15 @@ backward (the reproducing transformation), analysis (backbone graphs), init (how
 drawn), plan (contraction order, each step's op and axis split), lower (typed program), codegen
 (Python source; ``lines`` breaks its lines), runtime (executes generated source: the one
 executor), report (``explain``), api (entry points) and cli (the ``tnspec`` command); around
-them: formats (named formats as spec text), convert (``tensorize`` an existing model) and draw
-(the hypergraph as Graphviz DOT).
+them: formats (named formats as spec text), convert (``tensorize`` an existing model), audit
+(variance ratios of any model, layer by layer) and draw (the hypergraph as Graphviz DOT).
 """
 
 from . import formats
 from ._version import __version__
 from .analysis import Backbone, backbone
 from .api import Layer, compile, compile_all, contract, generate, layer
+from .audit import Audit, audit
 from .backward import backward
 from .convert import tensorize
 from .errors import SpecError
@@ -28,7 +29,7 @@ from .report import explain
 
 
 __all__ = [
-    "Backbone", "Conv", "Index", "Layer", "Network", "Options", "Plan", "Role", "SpecError",
-    "Tensor", "__version__", "backbone", "backward", "compile", "compile_all", "contract",
-    "explain", "formats", "generate", "layer", "tensorize",
+    "Audit", "Backbone", "Conv", "Index", "Layer", "Network", "Options", "Plan", "Role",
+    "SpecError", "Tensor", "__version__", "audit", "backbone", "backward", "compile",
+    "compile_all", "contract", "explain", "formats", "generate", "layer", "tensorize",
 ]

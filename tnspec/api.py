@@ -28,7 +28,7 @@ from .lower import Program, bias_shape, lower
 from .parse import parse
 from .plan import PLANNERS, Plan, plan
 from .settings import option_value, positive_int
-from .shapes import bind_shape, example_shape
+from .shapes import bind_shape, example_shape, geometry, nn_attributes
 
 __all__ = ["Layer", "compile", "compile_all", "contract", "example_shape", "generate", "layer"]
 
@@ -209,6 +209,10 @@ class Layer(nn.Module):
             self.bias = nn.Parameter(torch.zeros(shape, dtype=dtype, device=device))
         else:
             self.register_parameter("bias", None)
+        shape = geometry(network)
+        self._unbatched_dims = len(network.input.axes) - 1 if shape else -1
+        if shape is not None:  # in_channels, kernel_size, ... as nn.Conv2d / nn.Linear have
+            self.__dict__.update(nn_attributes(shape, self.sizes.__getitem__))
         self._drop_code()
         self.reset_parameters()
 
@@ -324,7 +328,10 @@ class Layer(nn.Module):
         elif x.shape == self._last_shape:  # the hot path: the same shape again
             cls = self._last_class
         else:
-            cls = self._class(tuple(x.shape))  # also keeps the cache's order LRU
+            shape = tuple(x.shape)
+            if len(shape) == self._unbatched_dims:  # planned as a batch of one
+                shape = (1, *shape)
+            cls = self._class(shape)  # also keeps the cache's order LRU
             # not through nn.Module.__setattr__, which is slow
             self.__dict__.update(_last_class=cls, _last_shape=x.shape)
         return cls.forward(self, x)

@@ -29,7 +29,7 @@ from .lines import (INDENT, WIDTH, comment, if_block, raise_block, spec_lines, w
 from .lower import from_cores
 from .program import (Bias, Call, CheckShape, Let, Namer, Node, Param, Program, Require, Unpack,
                       Var)
-from .shapes import Size
+from .shapes import Size, geometry, nn_attributes
 
 _MODULE_NAMES = frozenset({"F", "nn", "torch"})  # the generated module's imports
 
@@ -125,6 +125,10 @@ class _Class:
             lines += wrap_line(f"{i2}{self.ctor(name)} = {_formula(formula, self.ctor)}")
         items = [f"{n!r}: {self.ctor(n)}" for n in net.sizes if not net.index(n).runtime]
         lines += wrap_call(f"{i2}self.sizes = {{", items, "}")
+        geo = geometry(net)
+        if geo is not None:  # the attributes code reads off nn.Conv2d / nn.Linear
+            for key, value in nn_attributes(geo, self.ctor).items():
+                lines += wrap_line(f"{i2}self.{key} = {_code(value)}")
         for core in net.cores:
             shape = [self.ctor(i) for i in core.indices] or ["()"]
             if _attr(core.name).startswith("self.") and core.name not in ("l", "O", "I"):
@@ -199,14 +203,29 @@ class _Class:
         p, i2 = self.p, INDENT * 2
         assert p is not None
         lines = [f"{INDENT}def forward(self, {p.data}: torch.Tensor) -> torch.Tensor:"]
+        if p.unbatched:  # as nn.ConvNd and nn.Linear take one
+            dims = len(p.network.input.axes)
+            lines += [f"{i2}{p.unbatched} = {p.data}.dim() == {dims - 1}  # an unbatched input",
+                      f"{i2}if {p.unbatched}:",
+                      f"{i2}{INDENT}{p.data} = {p.data}.unsqueeze(0)"]
         if p.sizes:
             targets = ", ".join(v for v, _ in p.sizes)
             values = ", ".join(f"self.sizes[{i!r}]" for _, i in p.sizes)
             lines += wrap_assign(i2, targets, values)
         for node in p.nodes:
             lines += statement(node, i2)
+        if p.unbatched:
+            lines += [f"{i2}if {p.unbatched}:",
+                      f"{i2}{INDENT}{p.result} = {p.result}.squeeze(0)"]
         lines.append(f"{i2}return {p.result}")
         return lines
+
+
+def _code(value: Any) -> str:
+    """Python text of a value whose strings are code (size names), not string literals."""
+    if isinstance(value, tuple):
+        return "(" + ", ".join(map(_code, value)) + ("," if len(value) == 1 else "") + ")"
+    return value if isinstance(value, str) else repr(value)
 
 
 def arg(a: Any) -> str:

@@ -40,12 +40,8 @@ class TensorizedLinear(Layer):
 
 
 class TensorizedConv(Layer):
-    """A tnspec layer standing in for ``nn.ConvNd``: batched or unbatched input."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == len(self.network.input.axes) - 1:
-            return super().forward(x.unsqueeze(0)).squeeze(0)
-        return super().forward(x)
+    """A tnspec layer standing in for ``nn.ConvNd`` (batched or unbatched input, as every
+    conv-like layer)."""
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from .ir import Network, Role
 from .plan import Plan, Step
 from .program import (Arg, Bias, Call, CheckShape, Let, Namer, Node, Param, Program, Require,
                       Unpack, Var)
-from .shapes import Size, axis_text, conv_out
+from .shapes import Size, axis_text, conv_out, geometry
 
 
 def lower(plan: Plan) -> Program:
@@ -111,6 +111,8 @@ class _Lowering:
         net = self.net
         data = Var(self.name("tensor:" + net.input.name, net.input.name))
         out_name = self.name("tensor:" + net.output.name, net.output.name)
+        # a conv-like or linear-like layer takes an unbatched input, as nn.Conv2d does
+        flag = self.name("flag:unbatched", "unbatched") if geometry(net) else None
         self.prologue(data)
         for core in net.cores:
             holder: Var | Param = Param(core.name)
@@ -126,7 +128,7 @@ class _Lowering:
         for step in self.plan.steps:
             self.step(step)
         result = self.epilogue(out_name)
-        return self.finish(data.name, result)
+        return replace(self.finish(data.name, result), unbatched=flag)
 
     def prologue(self, data: Var) -> None:
         """Check the data's shape, read its run-time sizes, split its groups, and apply

@@ -104,6 +104,7 @@ class Program:
     sizes: tuple[tuple[str, str], ...]   # (variable, index name) of every static size read
     nodes: tuple[Node, ...]
     result: str
+    unbatched: str | None = None         # flag variable where an unbatched input is taken
 
 
 # names the generated code uses, builtins, and the names pycodestyle calls ambiguous (E741)

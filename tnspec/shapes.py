@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Mapping, Sequence, Union
+from typing import Any, Callable, Mapping, Sequence, Union
 
 from .errors import SpecError
-from .ir import Network, Role, Tensor
+from .ir import Conv, Network, Role, Tensor
 
 Atom = Union[str, "FloorDiv"]
 Monomial = tuple  # sorted tuple of atoms; () is the constant term
@@ -288,3 +288,64 @@ def _bytes(n: int) -> str:
         if n >= size:
             return f"{n / size:,.1f} {unit}"
     return f"{n} bytes"
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """How a network stands for ``nn.ConvNd`` (``kind`` "conv") or ``nn.Linear`` ("linear"):
+    the index names of its input and output channel axes, the parallel indices leading both
+    (the groups), and the relation of each spatial axis."""
+
+    kind: str
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    groups: tuple[str, ...]
+    convs: tuple[Conv, ...]
+
+
+def geometry(net: Network) -> Geometry | None:
+    """The network as a conv or linear layer: ``x[b, C, spatial...] -> y[b, O, spatial...]``
+    with C of input modes, O of output modes (parallel indices first in both), each spatial
+    axis a zero-padded conv; None for any other network."""
+    axes, out = net.input.axes, net.output.axes
+    if len(axes) < 2 or len(out) != len(axes) or len(axes[0]) != 1 or out[0] != axes[0] or \
+            net.index(axes[0][0]).role is not Role.BATCH:
+        return None
+    roles = {ix.name: ix.role for ix in net.indices}
+    groups = tuple(i for i in axes[1] if roles[i] is Role.PARALLEL)
+    if any(roles[i] not in (Role.INPUT_MODE, Role.PARALLEL) for i in axes[1]) or \
+            any(roles[i] not in (Role.OUTPUT_MODE, Role.PARALLEL) for i in out[1]) or \
+            axes[1][:len(groups)] != groups or out[1][:len(groups)] != groups:
+        return None
+    convs = []
+    for a, b in zip(axes[2:], out[2:]):
+        c = net.conv_of(a[0]) if len(a) == 1 else None
+        if c is None or c.source != a[0] or b != (c.target,) or c.padding < 0 or \
+                c.input_dilation != 1:
+            return None
+        convs.append(c)
+    if not convs and groups:
+        return None  # nn.Linear has no groups
+    return Geometry("conv" if convs else "linear", axes[1], out[1], groups, tuple(convs))
+
+
+def nn_attributes(g: Geometry, size: Callable[[str], Any]) -> dict[str, Any]:
+    """The attributes ``nn.ConvNd`` (or ``nn.Linear``) has for this geometry, each built from
+    ``size(index name)``: ints for a layer, source text for generated code."""
+    def prod(names: Sequence[str]) -> Any:
+        values = [size(n) for n in names]
+        return values[0] if len(values) == 1 else _product(values)
+    if g.kind == "linear":
+        return {"in_features": prod(g.inputs), "out_features": prod(g.outputs)}
+    return {"in_channels": prod(g.inputs), "out_channels": prod(g.outputs),
+            "kernel_size": tuple(size(str(c.kernel)) if c.kernel else 1 for c in g.convs),
+            "stride": tuple(c.stride for c in g.convs),
+            "padding": tuple(c.padding for c in g.convs),
+            "dilation": tuple(c.dilation for c in g.convs),
+            "groups": prod(g.groups) if g.groups else 1}
+
+
+def _product(values: list[Any]) -> Any:
+    if all(isinstance(v, int) for v in values):
+        return math.prod(values)
+    return " * ".join(map(str, values))

@@ -1,0 +1,70 @@
+"""``tnspec.audit``: variance ratios per layer, for tnspec layers and other libraries' alike."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import tnspec
+
+
+def tt_linear_stack(layers: int = 6) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(*[tnspec.formats.tt(1024, 1024, (), rank=16).layer(activation="linear")
+                           for _ in range(layers)])
+
+
+def test_a_graph_in_stack_with_linear_activation_keeps_every_ratio_near_1():
+    model = tt_linear_stack()
+    x = torch.randn(512, 1024, generator=torch.Generator().manual_seed(1))
+    state = torch.get_rng_state()
+    result = tnspec.audit(model, x)
+    assert torch.equal(torch.get_rng_state(), state)
+    assert [r["name"] for r in result.rows] == [str(i) for i in range(6)]
+    for row in result.rows:
+        assert row["type"] == "Layer"
+        assert 0.8 < row["forward"] < 1.2 and 0.8 < row["backward"] < 1.2, row
+        fwd, bwd = row["predicted"]  # the theory, from the cores' actual variances
+        assert math.isclose(row["forward"], fwd, rel_tol=0.1)
+    assert all(p.grad is None for p in model.parameters())  # audit accumulates no gradient
+
+
+def test_tensorly_torch_tt_conv_initialized_as_its_api_invites_vanishes():
+    tltorch = pytest.importorskip("tltorch")
+    torch.manual_seed(0)
+    conv = tltorch.FactorizedConv(64, 64, (3, 3), order=2, padding=1, factorization="tt",
+                                  rank=(1, 8, 8, 8, 1))
+    conv.reset_parameters(std=1 / math.sqrt(64 * 9))  # a dense conv's std, linear activation
+    same = tnspec.layer("x[b, c, h+kh-1, w+kw-1], A[o, r1], B[r1, c, r2], C[r2, kh, r3], "
+                        "D[r3, kw] -> y[b, o, h, w]", c=64, o=64, kh=3, kw=3, r1=8, r2=8, r3=8,
+                        activation="linear")
+    x = torch.randn(8, 64, 16, 16)
+    (tl_row,) = tnspec.audit(nn.Sequential(conv), x).rows
+    (tn_row,) = tnspec.audit(nn.Sequential(same), x).rows
+    assert tl_row["type"] == "FactorizedConv" and tl_row["predicted"] is None
+    assert tl_row["forward"] < 0.01 and tl_row["backward"] < 0.01  # about 1 / 8^3
+    assert 0.2 < tn_row["forward"] < 5
+
+
+def test_plain_torch_layers_and_containers():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Sequential(nn.Conv2d(8, 8, 1)),
+                          nn.Flatten(), nn.Linear(8 * 6 * 6, 10))
+    result = tnspec.audit(model, torch.randn(4, 3, 8, 8), backward=False)
+    assert [(r["name"], r["type"]) for r in result.rows] == [
+        ("0", "Conv2d"), ("2.0", "Conv2d"), ("4", "Linear")]
+    assert all(r["backward"] is None and r["predicted"] is None for r in result.rows)
+    text = str(result)
+    assert text.splitlines()[0].split() == ["layer", "type", "forward", "backward", "predicted"]
+    assert "2.0" in text and "Conv2d" in text
+
+
+def test_plot_draws_the_ratios_by_depth():
+    pytest.importorskip("matplotlib")
+    import matplotlib
+    matplotlib.use("Agg")
+    ax = tnspec.audit(tt_linear_stack(2), torch.randn(64, 1024)).plot()
+    assert [line.get_label() for line in ax.get_lines()[:2]] == ["forward", "backward"]

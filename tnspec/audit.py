@@ -1,0 +1,146 @@
+"""``tnspec.audit``: will this model train from step one? One forward and one backward pass with
+hooks measure, for every layer with parameters, how much it scales the variance of what flows
+through it, forward and backward.
+
+A stack trains from the first step when these ratios stay near ``1 / p_a`` forward (so that,
+after the activation's factor ``p_a``, each layer keeps the variance) and near ``1 / p_a``
+backward: products of ratios far from that vanish or explode with depth. For tnspec layers the
+audit also gives what Graph-in/Graph-out's theory predicts from the cores' actual variances,
+``prod_c Var(W_c) * S`` (``S_in`` forward, ``S_out`` backward), so that a measured ratio can be
+told apart from the theory.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from .analysis import backbone
+from .api import Layer
+
+__all__ = ["Audit", "audit"]
+
+
+@dataclass(frozen=True)
+class Audit:
+    """The measured ratios. ``rows``: one dict per layer in call order, with ``name``, ``type``,
+    ``forward`` (Var(output) / Var(input)), ``backward`` (Var(grad input) / Var(grad output),
+    None without a backward pass) and ``predicted`` ((forward, backward) from the theory for
+    tnspec layers, else None)."""
+
+    rows: tuple[dict[str, Any], ...]
+
+    def __str__(self) -> str:
+        lines = [f"{'layer':<24}{'type':<20}{'forward':>10}{'backward':>10}"
+                 f"{'predicted':>20}"]
+        for r in self.rows:
+            pred = r["predicted"]
+            lines.append(f"{r['name'][:23]:<24}{r['type'][:19]:<20}{_num(r['forward']):>10}"
+                         f"{_num(r['backward']):>10}"
+                         f"{(_num(pred[0]) + ' / ' + _num(pred[1])) if pred else '':>20}")
+        return "\n".join(lines)
+
+    def plot(self, ax: Any = None) -> Any:
+        """The forward and backward ratios by depth on a log scale (needs matplotlib)."""
+        try:
+            import matplotlib.pyplot as plt
+        except ImportError as exc:  # an optional extra
+            raise ImportError("audit.plot() needs matplotlib: pip install matplotlib") from exc
+        if ax is None:
+            _, ax = plt.subplots(figsize=(7, 3.5))
+        depth = range(1, len(self.rows) + 1)
+        ax.plot(depth, [r["forward"] for r in self.rows], "o-", label="forward")
+        if any(r["backward"] is not None for r in self.rows):
+            ax.plot(depth, [r["backward"] for r in self.rows], "s-", label="backward")
+        ax.axhline(1.0, color="gray", lw=0.8)
+        ax.set(yscale="log", xlabel="layer (call order)", ylabel="variance ratio")
+        ax.legend()
+        return ax
+
+
+def audit(model: nn.Module, x: torch.Tensor, *, backward: bool = True,
+          seed: int = 0) -> Audit:
+    """Run ``model(x)`` once (and a backward pass from a unit-variance random gradient) and
+    measure each layer's variance ratios. Layers are the modules that own parameters (directly
+    or through submodules they do not call, as other libraries' factorized layers do) and have
+    no called descendant that owns parameters. The global RNG, gradients and train/eval mode
+    are left as they were."""
+    owners = {m for m in model.modules() if any(True for _ in m.parameters())}
+    names = {m: n or type(m).__name__ for n, m in model.named_modules()}
+    calls: dict[nn.Module, dict[str, Any]] = {}
+    order: list[nn.Module] = []
+    handles = []
+
+    def on_forward(module: nn.Module, inputs: tuple, output: Any) -> None:
+        x_in, y = _first_tensor(inputs), _first_tensor(output)
+        if x_in is None or y is None or module in calls:
+            return
+        order.append(module)
+        calls[module] = {"forward": _var(y) / _var(x_in), "backward": None}
+
+    def on_backward(module: nn.Module, grad_in: tuple, grad_out: tuple) -> None:
+        g_in, g_out = _first_tensor(grad_in), _first_tensor(grad_out)
+        if module in calls and g_in is not None and g_out is not None and \
+                calls[module]["backward"] is None:
+            calls[module]["backward"] = _var(g_in) / _var(g_out)
+
+    for m in owners:
+        handles.append(m.register_forward_hook(on_forward))
+        if backward:
+            handles.append(m.register_full_backward_hook(on_backward))
+    generator = torch.Generator(device=x.device).manual_seed(seed)
+    try:
+        with torch.enable_grad(), warnings.catch_warnings():
+            # a parameter-owning submodule that returns no tensor (a factorized weight) gets no
+            # backward hook call, which torch warns about; its caller is measured instead
+            warnings.filterwarnings("ignore", "For backward hooks to be called")
+            inp = x.detach().clone().requires_grad_(backward and x.is_floating_point())
+            y = _first_tensor(model(inp))
+            if backward and y is not None:
+                g = torch.randn(y.shape, generator=generator, device=y.device, dtype=y.dtype)
+                params = [p for p in model.parameters() if p.requires_grad]
+                wrt = ([inp] if inp.requires_grad else []) + params
+                torch.autograd.grad(y, wrt, g, allow_unused=True)
+    finally:
+        for h in handles:
+            h.remove()
+    called = set(order)
+    rows = []
+    for m in order:
+        if any(d in called and d in owners for d in m.modules() if d is not m):
+            continue  # a container: its layers are reported instead
+        rows.append({"name": names.get(m, type(m).__name__), "type": type(m).__name__,
+                     **calls[m], "predicted": _predicted(m)})
+    return Audit(tuple(rows))
+
+
+def _predicted(module: nn.Module) -> tuple[float, float] | None:
+    """Graph-in/out's ratios for a tnspec layer: prod_c Var(W_c) * S_in (and S_out)."""
+    if not isinstance(module, Layer):
+        return None
+    net = module.network
+    with torch.no_grad():
+        prod = math.prod(_var(getattr(module, c.name)) for c in net.cores)
+    exact = net.options.stride_count == "exact"
+    return prod * backbone(net, "in", exact).S, prod * backbone(net, "out", exact).S
+
+
+def _first_tensor(value: Any) -> torch.Tensor | None:
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, (tuple, list)):
+        return next((v for v in value if isinstance(v, torch.Tensor)), None)
+    return None
+
+
+def _var(t: torch.Tensor) -> float:
+    return float(t.detach().double().var()) if t.numel() > 1 else math.nan
+
+
+def _num(v: float | None) -> str:
+    return "" if v is None else f"{v:.3g}"
