@@ -27,3 +27,11 @@ def test_speed_smoke_runs_and_cross_checks_against_the_libraries(capsys):
     assert out.count("  ok") == 20 and "MISMATCH" not in out
     for library in ("tltorch factorized", "tltorch reconstructed", "tednet"):
         assert library in out
+
+
+def test_choosing_smoke_runs_every_format(capsys):
+    choosing = load("choosing")
+    assert choosing.main(["--smoke"]) == 0
+    out = capsys.readouterr().out
+    for fmt in (*choosing.FORMATS, "depthwise_separable"):
+        assert f"| {fmt} |" in out, fmt

@@ -149,6 +149,7 @@ class Network:
     # ---- lookups ----------------------------------------------------------------------------
 
     def index(self, name: str) -> Index:
+        """The :class:`Index` called ``name`` (KeyError if there is none)."""
         for ix in self.indices:
             if ix.name == name:
                 return ix
@@ -160,6 +161,7 @@ class Network:
         return {ix.name: ix.size for ix in self.indices if ix.size is not None}
 
     def with_role(self, *roles: Role) -> tuple[str, ...]:
+        """The names of the indices having one of ``roles``, in the network's order."""
         return tuple(ix.name for ix in self.indices if ix.role in roles)
 
     def conv_of(self, name: str) -> Conv | None:
@@ -181,6 +183,7 @@ class Network:
             operand(self.output)
 
     def core_numel(self, core: Tensor) -> int:
+        """Elements of ``core`` at the bound sizes."""
         return math.prod(self.index(n).size or 1 for n in core.indices)
 
     @property

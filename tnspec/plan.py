@@ -90,10 +90,12 @@ class Plan:
 
     @property
     def flops(self) -> int:
+        """Floating-point operations of the whole contraction (2 per multiply-add)."""
         return sum(s.flops for s in self.steps)
 
     @property
     def largest_intermediate(self) -> int:
+        """Elements of the largest tensor a step produces, at the planned batch."""
         sizes = self.network.sizes
         return max((math.prod(sizes[i] for i in s.result.indices) for s in self.steps), default=0)
 
