@@ -346,7 +346,8 @@ def standard(in_channels: int, out_channels: int, kernel_size: IntOrTuple = (), 
              rank: Rank = 8, stride: IntOrTuple = 1, padding: Padding = 0,
              dilation: IntOrTuple = 1, groups: int = 1, in_modes: Modes = None,
              out_modes: Modes = None, phi: int | None = None) -> Format:
-    """The dense layer itself, one core ``W[o, c, k...]``: exactly ``nn.ConvNd``/``nn.Linear``. Arguments as :func:`build`."""
+    """The dense layer itself, one core ``W[o, c, k...]``: exactly ``nn.ConvNd``/``nn.Linear``.
+    Arguments as :func:`build`."""
     return build("standard", **_arguments(locals()))
 
 
@@ -354,7 +355,8 @@ def low_rank(in_channels: int, out_channels: int, kernel_size: IntOrTuple = (), 
              rank: Rank = 8, stride: IntOrTuple = 1, padding: Padding = 0,
              dilation: IntOrTuple = 1, groups: int = 1, in_modes: Modes = None,
              out_modes: Modes = None, phi: int | None = None) -> Format:
-    """Two cores: input side (with the kernel) and output side, joined by one rank. Arguments as :func:`build`."""
+    """Two cores: input side (with the kernel) and output side, joined by one rank.
+    Arguments as :func:`build`."""
     return build("low_rank", **_arguments(locals()))
 
 
@@ -362,7 +364,8 @@ def cp(in_channels: int, out_channels: int, kernel_size: IntOrTuple = (), *,
        rank: Rank = 8, stride: IntOrTuple = 1, padding: Padding = 0,
        dilation: IntOrTuple = 1, groups: int = 1, in_modes: Modes = None,
        out_modes: Modes = None, phi: int | None = None) -> Format:
-    """CP (Lebedev et al. 2015): one factor per mode and kernel axis, one rank hyperedge. Arguments as :func:`build`."""
+    """CP (Lebedev et al. 2015): one factor per mode and kernel axis, one rank hyperedge.
+    Arguments as :func:`build`."""
     return build("cp", **_arguments(locals()))
 
 
@@ -370,7 +373,8 @@ def tucker(in_channels: int, out_channels: int, kernel_size: IntOrTuple = (), *,
            rank: Rank = 8, stride: IntOrTuple = 1, padding: Padding = 0,
            dilation: IntOrTuple = 1, groups: int = 1, in_modes: Modes = None,
            out_modes: Modes = None, phi: int | None = None) -> Format:
-    """Tucker: a factor per mode and kernel axis around a core of all ranks. Arguments as :func:`build`."""
+    """Tucker: a factor per mode and kernel axis around a core of all ranks.
+    Arguments as :func:`build`."""
     return build("tucker", **_arguments(locals()))
 
 
@@ -378,7 +382,8 @@ def tucker2(in_channels: int, out_channels: int, kernel_size: IntOrTuple = (), *
             rank: Rank = 8, stride: IntOrTuple = 1, padding: Padding = 0,
             dilation: IntOrTuple = 1, groups: int = 1, in_modes: Modes = None,
             out_modes: Modes = None, phi: int | None = None) -> Format:
-    """Tucker-2 (Kim et al. 2016): 1x1 reduction, a ``r0 -> r1`` conv core, 1x1 expansion. Arguments as :func:`build`."""
+    """Tucker-2 (Kim et al. 2016): 1x1 reduction, a ``r0 -> r1`` conv core, 1x1 expansion.
+    Arguments as :func:`build`."""
     return build("tucker2", **_arguments(locals()))
 
 
@@ -386,7 +391,8 @@ def htk2(in_channels: int, out_channels: int, kernel_size: IntOrTuple = (), *,
          rank: Rank = 8, stride: IntOrTuple = 1, padding: Padding = 0,
          dilation: IntOrTuple = 1, groups: int = 1, in_modes: Modes = None,
          out_modes: Modes = None, phi: int | None = 4) -> Format:
-    """Hyper Tucker-2 (Pan et al. 2022, Fig. 5): Tucker-2 with a hyperedge ``phi`` (default 4). Arguments as :func:`build`."""
+    """Hyper Tucker-2 (Pan et al. 2022, Fig. 5): Tucker-2 with a hyperedge ``phi`` (default 4).
+    Arguments as :func:`build`."""
     return build("htk2", **_arguments(locals()))
 
 
@@ -394,7 +400,8 @@ def tt(in_channels: int, out_channels: int, kernel_size: IntOrTuple = (), *,
        rank: Rank = 8, stride: IntOrTuple = 1, padding: Padding = 0,
        dilation: IntOrTuple = 1, groups: int = 1, in_modes: Modes = None,
        out_modes: Modes = None, phi: int | None = None) -> Format:
-    """Tensor train (Garipov et al. 2016): a kernel core, then a core per (in, out) mode pair. Arguments as :func:`build`."""
+    """Tensor train (Garipov et al. 2016): a kernel core, then a core per (in, out) mode pair.
+    Arguments as :func:`build`."""
     return build("tt", **_arguments(locals()))
 
 
@@ -402,7 +409,8 @@ def tr(in_channels: int, out_channels: int, kernel_size: IntOrTuple = (), *,
        rank: Rank = 8, stride: IntOrTuple = 1, padding: Padding = 0,
        dilation: IntOrTuple = 1, groups: int = 1, in_modes: Modes = None,
        out_modes: Modes = None, phi: int | None = None) -> Format:
-    """Tensor ring (Wang et al. 2018): mode cores and a kernel core on one ring of ranks. Arguments as :func:`build`."""
+    """Tensor ring (Wang et al. 2018): mode cores and a kernel core on one ring of ranks.
+    Arguments as :func:`build`."""
     return build("tr", **_arguments(locals()))
 
 
@@ -410,7 +418,8 @@ def block_term(in_channels: int, out_channels: int, kernel_size: IntOrTuple = ()
                rank: Rank = 8, stride: IntOrTuple = 1, padding: Padding = 0,
                dilation: IntOrTuple = 1, groups: int = 1, in_modes: Modes = None,
                out_modes: Modes = None, phi: int | None = None, blocks: int = 2) -> Format:
-    """Block-term: a sum of ``blocks`` Tucker terms (the block index is a hyperedge). Arguments as :func:`build`."""
+    """Block-term: a sum of ``blocks`` Tucker terms (the block index is a hyperedge).
+    Arguments as :func:`build`."""
     return build("block_term", **_arguments(locals()))
 
 
@@ -418,7 +427,8 @@ def odd(in_channels: int, out_channels: int, kernel_size: IntOrTuple = (), *,
         rank: Rank = 8, stride: IntOrTuple = 1, padding: Padding = 0,
         dilation: IntOrTuple = 1, groups: int = 1, in_modes: Modes = None,
         out_modes: Modes = None, phi: int | None = None) -> Format:
-    """The Odd-like network: 9 cores, 14 ranks, 2 input and 2 output modes. Arguments as :func:`build`."""
+    """The Odd-like network: 9 cores, 14 ranks, 2 input and 2 output modes.
+    Arguments as :func:`build`."""
     return build("odd", **_arguments(locals()))
 
 
@@ -426,7 +436,8 @@ def hypernet(in_channels: int, out_channels: int, kernel_size: IntOrTuple = (), 
              rank: Rank = 8, stride: IntOrTuple = 1, padding: Padding = 0,
              dilation: IntOrTuple = 1, groups: int = 1, in_modes: Modes = None,
              out_modes: Modes = None, phi: int | None = None) -> Format:
-    """A hyper-edged network: input, kernel and output cores sharing one rank hyperedge. Arguments as :func:`build`."""
+    """A hyper-edged network: input, kernel and output cores sharing one rank hyperedge.
+    Arguments as :func:`build`."""
     return build("hypernet", **_arguments(locals()))
 
 
@@ -434,7 +445,8 @@ def depthwise_separable(in_channels: int, out_channels: int, kernel_size: IntOrT
                         rank: Rank = 8, stride: IntOrTuple = 1, padding: Padding = 0,
                         dilation: IntOrTuple = 1, groups: int = 1, in_modes: Modes = None,
                         out_modes: Modes = None, phi: int | None = None) -> Format:
-    """Depthwise conv then pointwise 1x1 (MobileNet); no rank, no groups. Arguments as :func:`build`."""
+    """Depthwise conv then pointwise 1x1 (MobileNet); no rank, no groups.
+    Arguments as :func:`build`."""
     return build("depthwise_separable", **_arguments(locals()))
 
 

@@ -2,9 +2,10 @@
 
 Every stage that reasons about sizes uses this module: ``bind_shape`` (run-time sizes from the
 data's shape, for planning), ``check_shape`` (the error for a wrong shape), ``guard_bytes``
-(the memory guard on a bound network) and :func:`conv_out` (PyTorch's output-size formula). ``conv_out`` is written once and evaluated
-both on ints (binding) and on :class:`Size` symbols (the code lowering emits), so the generated
-module computes sizes exactly as the planner did.
+(the memory guard on a bound network), ``geometry`` (the network as ``nn.ConvNd`` or
+``nn.Linear``) and :func:`conv_out` (PyTorch's output-size formula). ``conv_out`` is written
+once and evaluated both on ints (binding) and on :class:`Size` symbols (the code lowering
+emits), so the generated module computes sizes exactly as the planner did.
 
 A :class:`Size` is an integer polynomial in named sizes, with ``(...) // n`` kept as an atom
 when it does not divide exactly. Arithmetic folds constants as it goes, so a stride-1 conv with
