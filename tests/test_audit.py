@@ -68,3 +68,13 @@ def test_plot_draws_the_ratios_by_depth():
     matplotlib.use("Agg")
     ax = tnspec.audit(tt_linear_stack(2), torch.randn(64, 1024)).plot()
     assert [line.get_label() for line in ax.get_lines()[:2]] == ["forward", "backward"]
+
+
+def test_in_place_activations_are_audited_and_restored():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(inplace=True), nn.Conv2d(8, 8, 3),
+                          nn.ReLU(inplace=True))
+    result = tnspec.audit(model, torch.randn(2, 3, 10, 10))
+    assert [r["name"] for r in result.rows] == ["0", "2"]
+    assert all(r["backward"] > 0 for r in result.rows)
+    assert model[1].inplace and model[3].inplace

@@ -89,6 +89,11 @@ def audit(model: nn.Module, x: torch.Tensor, *, backward: bool = True,
                 calls[module]["backward"] is None:
             calls[module]["backward"] = _var(g_in) / _var(g_out)
 
+    # full backward hooks cannot see through an in-place op on a hooked output: switch the
+    # modules' in-place flag off for the pass (the values are the same)
+    inplace = [m for m in model.modules() if getattr(m, "inplace", False) is True]
+    for m in inplace:
+        m.inplace = False
     for m in owners:
         handles.append(m.register_forward_hook(on_forward))
         if backward:
@@ -106,9 +111,17 @@ def audit(model: nn.Module, x: torch.Tensor, *, backward: bool = True,
                 params = [p for p in model.parameters() if p.requires_grad]
                 wrt = ([inp] if inp.requires_grad else []) + params
                 torch.autograd.grad(y, wrt, g, allow_unused=True)
+    except RuntimeError as exc:
+        if "modified inplace" not in str(exc):
+            raise
+        raise RuntimeError("audit's backward hooks met an in-place operation in the model's "
+                           "forward (e.g. F.relu(x, inplace=True)); run audit(..., "
+                           "backward=False) or make it out-of-place") from exc
     finally:
         for h in handles:
             h.remove()
+        for m in inplace:
+            m.inplace = True
     called = set(order)
     rows = []
     for m in order:
