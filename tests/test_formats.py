@@ -197,3 +197,42 @@ def test_linear_like_layers_have_nn_linear_attributes(fmt, tmp_path):
         assert layer(torch.randn(16)).shape == (36,)
     assert not hasattr(tnspec.layer("x[b, c, h], W[c, o] -> y[b, o, h]", c=2, o=3),
                        "in_channels")  # not a conv: no spatial relation
+
+
+@pytest.mark.parametrize("fmt", ["standard", "low_rank", "cp", "tucker", "tucker2", "htk2", "tt",
+                                 "tr", "block_term", "odd", "hypernet", "depthwise_separable"])
+@pytest.mark.parametrize("kernel, kwargs", [
+    ((3,), dict(stride=2, padding=1)),
+    ((3, 5), dict(stride=(1, 2), padding=(1, 0), dilation=(2, 1), groups=2)),
+    ((3, 1, 3), dict(padding=1)),
+    ((), {}),
+])
+@pytest.mark.filterwarnings("ignore:.*of the dense layer it stands for")
+def test_dense_weight_is_the_layer_as_torch_runs_it(fmt, kernel, kwargs):
+    if fmt == "depthwise_separable":
+        if not kernel:
+            return
+        kwargs = {k: v for k, v in kwargs.items() if k != "groups"}
+    layer = formats.build(fmt, 8, 12, kernel, rank=2, **kwargs).layer()
+    with torch.no_grad():
+        layer.bias.normal_()
+    weight = layer.dense_weight()
+    x = torch.randn(3, 8, *[9] * len(kernel))
+    if kernel:
+        conv = (F.conv1d, F.conv2d, F.conv3d)[len(kernel) - 1]
+        assert weight.shape == (12, 8 // layer.groups, *kernel)
+        want = conv(x, weight, layer.bias.reshape(-1), layer.stride, layer.padding,
+                    layer.dilation, layer.groups)
+    else:
+        assert weight.shape == (12, 8)
+        want = F.linear(x, weight, layer.bias.reshape(-1))
+    torch.testing.assert_close(layer(x), want, rtol=1e-10, atol=1e-10)
+    weight.sum().backward()  # differentiable in the cores
+    assert all(p.grad is not None for n, p in layer.named_parameters() if n != "bias")
+
+
+def test_dense_weight_of_a_network_that_is_no_conv_says_why():
+    layer = tnspec.layer("x[b, t, c], W[c, o] -> y[b, t, o]", c=2, o=3)
+    with pytest.raises(tnspec.SpecError, match="is not a conv or linear layer, so it has no "
+                       "dense weight"):
+        layer.dense_weight()

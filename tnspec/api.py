@@ -16,6 +16,7 @@ from dataclasses import replace
 from types import SimpleNamespace
 from typing import Any, Mapping, Sequence
 
+import opt_einsum
 import torch
 from torch import nn
 
@@ -253,6 +254,36 @@ class Layer(nn.Module):
     def program(self, shape: Sequence[int]) -> Program:
         """The lowered program for an input of ``shape``."""
         return lower(self.plan(shape))
+
+    def dense_weight(self) -> torch.Tensor:
+        """The equivalent dense weight, differentiable in the cores: ``(out, in // groups,
+        *kernel)`` as ``nn.Conv1d/2d/3d`` holds it, or ``(out, in)`` as ``nn.Linear``, grouped
+        modes flattened row-major as the layer's input and output are. So
+        ``F.conv2d(x, layer.dense_weight(), layer.bias, layer.stride, layer.padding,
+        layer.dilation, layer.groups)`` equals ``layer(x)``. A SpecError for a network that is
+        neither conv-like nor linear-like."""
+        geo = geometry(self.network)
+        if geo is None:
+            raise SpecError(f"{self.spec!r} is not a conv or linear layer, so it has no dense "
+                            "weight", hint="dense_weight needs x[b, C, spatial...] -> "
+                            "y[b, O, spatial...] with zero-padded convolutions")
+        net = self.network
+        ins = [i for i in geo.inputs if i not in geo.groups]
+        outs = [i for i in geo.outputs if i not in geo.groups]
+        kernels = [str(c.kernel) for c in geo.convs if c.kernel is not None]
+        operands: list[Any] = []
+        for core in net.cores:
+            tensor = getattr(self, core.name)
+            if core.flipped:
+                tensor = tensor.flip([core.indices.index(k) for k in sorted(core.flipped)])
+            operands += [tensor, list(core.indices)]
+        target = [*geo.groups, *outs, *ins, *kernels]
+        weight = opt_einsum.contract(*operands, target)  # any number of indices
+        sizes = self.sizes
+        shape = [math.prod(sizes[i] for i in (*geo.groups, *outs)),
+                 math.prod(sizes[i] for i in ins)]
+        shape += [sizes[str(c.kernel)] if c.kernel is not None else 1 for c in geo.convs]
+        return weight.reshape(shape)
 
     def source(self, shape: Sequence[int]) -> str:
         """The generated module whose ``forward`` this layer runs for an input of ``shape``:
