@@ -3,6 +3,7 @@ values and gradients; gradcheck on small cases."""
 
 from __future__ import annotations
 
+import numpy
 import pytest
 import torch
 
@@ -165,8 +166,9 @@ def test_autotune_leaves_the_rng_and_grad_mode_alone_and_handles_frozen_cores(co
 def test_friendly_errors_for_wrong_python_arguments():
     text, sizes = "x[b, i], W[i, o] -> y[b, o]", dict(i=2, o=3)
     layer = tnspec.layer(text, **sizes)
-    for bad in ([[1.0, 2.0]], (1.0, 2.0)):
-        with pytest.raises(TypeError, match="Layer takes a torch.Tensor, not (list|tuple); "
+    for bad in ([[1.0, 2.0]], (1.0, 2.0), numpy.ones((3, 2))):
+        with pytest.raises(TypeError, match="Layer takes a torch.Tensor, not "
+                           "(list|tuple|ndarray); "
                            r"convert it with torch.as_tensor\(x\)"):
             layer(bad)
     with pytest.raises(TypeError, match="contract takes a torch.Tensor, not list"):

@@ -150,8 +150,9 @@ def test_a_default_mode_split_that_needs_a_mode_of_1_is_said():
     assert formats.tr(1, 64, 3).sizes["c1"] == 1  # one channel: nothing to split
 
 
-def test_large_prime_channel_counts_split_at_once():
-    assert formats.cp(1_000_000_007, 1, (), rank=1).sizes["c"] == 1_000_000_007
+def test_a_large_prime_factor_left_by_trial_division_is_a_mode():
+    sizes = formats.tt(2 * 1_000_003, 4, (), rank=1).sizes  # division stops at sqrt(n)
+    assert (sizes["c0"], sizes["c1"]) == (1_000_003, 2)
 
 
 CONV_ATTRS = ("in_channels", "out_channels", "kernel_size", "stride", "padding", "dilation",

@@ -210,10 +210,10 @@ class Layer(nn.Module):
             self.bias = nn.Parameter(torch.zeros(shape, dtype=dtype, device=device))
         else:
             self.register_parameter("bias", None)
-        shape = geometry(network)
-        self._unbatched_dims = len(network.input.axes) - 1 if shape else -1
-        if shape is not None:  # in_channels, kernel_size, ... as nn.Conv2d / nn.Linear have
-            self.__dict__.update(nn_attributes(shape, self.sizes.__getitem__))
+        geo = geometry(network)
+        self._unbatched_dims = len(network.input.axes) - 1 if geo else -1
+        if geo is not None:  # in_channels, kernel_size, ... as nn.Conv2d / nn.Linear have
+            self.__dict__.update(nn_attributes(geo, self.sizes.__getitem__))
         self._drop_code()
         self.reset_parameters()
 
@@ -345,27 +345,30 @@ class Layer(nn.Module):
         return best[1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not isinstance(x, torch.Tensor):
+        try:  # free unless raised: a list fails on .shape, an array inside the generated code
+            if _is_compiling():
+                # planning is plain Python that dynamo should not trace: a compiled layer runs
+                # the code planned for the last shape seen eagerly, or at construction for the
+                # example shape (any plan computes any shape)
+                cls = self._last_class
+                if cls is None:
+                    raise SpecError("this layer has no plan to compile: call it once eagerly "
+                                    "(its example shape cannot be planned)")
+            elif x.shape == self._last_shape:  # the hot path: the same shape again
+                cls = self._last_class
+            else:
+                shape = tuple(x.shape)
+                if len(shape) == self._unbatched_dims:  # planned as a batch of one
+                    shape = (1, *shape)
+                cls = self._class(shape)  # also keeps the cache's order LRU
+                # not through nn.Module.__setattr__, which is slow
+                self.__dict__.update(_last_class=cls, _last_shape=x.shape)
+            return cls.forward(self, x)
+        except AttributeError:
+            if isinstance(x, torch.Tensor):
+                raise
             raise TypeError(f"{type(self).__name__} takes a torch.Tensor, not "
-                            f"{type(x).__name__}; convert it with torch.as_tensor(x)")
-        if _is_compiling():
-            # planning is plain Python that dynamo should not trace: a compiled layer runs the
-            # code planned for the last shape seen eagerly, or at construction for the example
-            # shape (any plan computes any shape)
-            cls = self._last_class
-            if cls is None:
-                raise SpecError("this layer has no plan to compile: call it once eagerly "
-                                "(its example shape cannot be planned)")
-        elif x.shape == self._last_shape:  # the hot path: the same shape again
-            cls = self._last_class
-        else:
-            shape = tuple(x.shape)
-            if len(shape) == self._unbatched_dims:  # planned as a batch of one
-                shape = (1, *shape)
-            cls = self._class(shape)  # also keeps the cache's order LRU
-            # not through nn.Module.__setattr__, which is slow
-            self.__dict__.update(_last_class=cls, _last_shape=x.shape)
-        return cls.forward(self, x)
+                            f"{type(x).__name__}; convert it with torch.as_tensor(x)") from None
 
     def extra_repr(self) -> str:
         opts = self.network.options

@@ -97,10 +97,7 @@ class _Checker:
             return None
         options = read_options(lay, self.error)
         for size in (*lay.params, *lay.derived):
-            if size.name.startswith("__"):
-                self.error(f"size {size.name!r}: names starting with '__' are reserved",
-                           size.span, f"rename it, e.g. {size.name.strip('_') or 'n'}; Python "
-                           "would mangle it inside the generated class")
+            self.not_dunder("size", size.name, size.span)
         net = lay.networks[0]
         written = {n for o in (*net.operands, net.output) for i in o.indices for n in i.names}
         binder = SizeBinder(lay, self.error)
@@ -203,15 +200,18 @@ class _Checker:
             seen_ix: set[str] = set()
             for ix in node.indices:
                 for n in ix.names:
-                    if n.startswith("__"):
-                        self.error(f"index {n!r}: names starting with '__' are reserved", ix.span,
-                                   f"rename it, e.g. {n.strip('_') or 'n'}; Python would "
-                                   "mangle it inside the generated class")
+                    self.not_dunder("index", n, ix.span)
                 for n in (ix.names if ix.kind != "affine" else ()):
                     if n in seen_ix:
                         self.error(f"index {n!r} appears twice in {node.name!r}", ix.span,
                                    "an operand carries each index once (no diagonals)")
                     seen_ix.add(n)
+
+    def not_dunder(self, what: str, name: str, span: Span) -> None:
+        if name.startswith("__"):
+            self.error(f"{what} {name!r}: names starting with '__' are reserved", span,
+                       f"rename it, e.g. {name.strip('_') or 'n'}; Python would mangle it "
+                       "inside the generated class")
 
     def relation(self, ix: IndexNode, core_names: set[str],
                  out_names: set[str]) -> tuple[Conv, IndexNode] | None:
@@ -362,11 +362,11 @@ class _Checker:
             self.error(f"size {name}={size} is given for a spatial index; it would be ignored",
                        self.first_span(net, name), "spatial sizes come from the input's shape; "
                        "remove the size (tnspec compile plans for --shape)")
-        return Index(name, None if spatial else size, role)
+        return Index(name, None if spatial else size, role)  # spatial sizes come from the data
 
     def first_span(self, net: NetworkNode, name: str) -> Span | None:
         return next((ix.span for op in (*net.operands, net.output) for ix in op.indices
-                     if name in ix.names), None)  # spatial sizes come from the data
+                     if name in ix.names), None)
 
     def groups_sized(self, net: NetworkNode, env: dict[str, int]) -> None:
         for node in (net.operands[0], net.output):

@@ -280,12 +280,12 @@ def statement(node: Node, indent: str) -> list[str]:
         return if_block(cond, indent) + raise_block(_fstring(node.message), indent + INDENT)
     if isinstance(node, Bias):
         shape = ", ".join(str(d) for d in node.shape)
-        head = f"{indent}if self.bias is not None:  # {node.comment}"
-        if len(head) > WIDTH:
-            head = comment(node.comment, indent) + [f"{indent}if self.bias is not None:"]
-        return [*([head] if isinstance(head, str) else head),
-                *wrap_line(f"{indent}{INDENT}{node.out} = {node.var} + "
-                            f"self.bias.reshape({shape})")]
+        head = f"{indent}if self.bias is not None:"
+        noted = [f"{head}  # {node.comment}"]
+        if len(noted[0]) > WIDTH:
+            noted = comment(node.comment, indent) + [head]
+        return noted + wrap_line(f"{indent}{INDENT}{node.out} = {node.var} + "
+                                 f"self.bias.reshape({shape})")
     raise TypeError(f"codegen cannot print {type(node).__name__}")  # pragma: no cover
 
 

@@ -66,7 +66,7 @@ class Report:
     skipped: tuple[tuple[str, str], ...]  # (name, why), in model order
     params_before: int
     params_after: int
-    skipped_kinds: tuple[tuple[str, str], ...] = ()  # (kind, why) beside each skipped name
+    skipped_kinds: tuple[str, ...] = ()  # the module type of each skipped layer
     other: tuple[tuple[str, int], ...] = ()  # kinds with parameters tensorize never replaces
 
     def __str__(self) -> str:
@@ -79,8 +79,8 @@ class Report:
             lines.append(f"      {r.params_before:,} -> {r.params_after:,} params, init for "
                          f"{r.activation} ({r.activation_from})")
         groups: dict[tuple[str, str], list[str]] = {}
-        for (name, why), (kind, _) in zip(self.skipped, self.skipped_kinds or
-                                          [("layer", "")] * len(self.skipped)):
+        for (name, why), kind in zip(self.skipped,
+                                     self.skipped_kinds or ("layer",) * len(self.skipped)):
             groups.setdefault((kind, why), []).append(name)
         for (kind, why), names in groups.items():  # one line per kind and reason
             shown = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
@@ -123,9 +123,8 @@ def tensorize(model: nn.Module, format: str = "tucker2", *, rank: int | float = 
     other: dict[str, int] = {}
     for name, module in list(model.named_modules()):
         if not isinstance(module, (nn.Linear, *_CONVS)) or isinstance(module, Layer):
-            if not isinstance(module, Layer) and not any(
-                    isinstance(m, Layer) for m in module.modules()) and \
-                    any(True for _ in module.parameters(recurse=False)):
+            if not isinstance(module, Layer) and \
+                    next(module.parameters(recurse=False), None) is not None:
                 other[type(module).__name__] = other.get(type(module).__name__, 0) + 1
             continue
         if not _selected(name, module, include, exclude):
@@ -138,7 +137,7 @@ def tensorize(model: nn.Module, format: str = "tucker2", *, rank: int | float = 
             new = _replacement(module, format, rank, init, act, options)
         except SpecError as exc:
             skipped.append((name, exc.message))
-            kinds.append((type(module).__name__, exc.message))
+            kinds.append(type(module).__name__)
             continue
         _set_submodule(model, name, new)
         replaced.append(Replacement(name, repr(module), new.spec,
@@ -158,8 +157,9 @@ def _tied(model: nn.Module) -> dict[str, str]:
             owners.setdefault(id(p), []).append(name)
     tied: dict[str, str] = {}
     for names in owners.values():
-        for name in dict.fromkeys(names):
-            others = [n for n in dict.fromkeys(names) if n != name]
+        unique = list(dict.fromkeys(names))
+        for name in unique:
+            others = [n for n in unique if n != name]
             if others:
                 tied[name] = (f"its parameters are shared with {others[0]!r} (tied weights); "
                               "left alone so that they stay tied")

@@ -70,11 +70,6 @@ def render(dot: str, fmt: str) -> bytes:
     return result.stdout
 
 
-def to_svg(dot: str) -> str:
-    """Render DOT source to SVG with Graphviz's ``dot`` program."""
-    return render(dot, "svg").decode("utf-8")
-
-
 def _label(t: Tensor) -> str:
     axes = ", ".join(" ".join(a) if len(a) == 1 else f"({' '.join(a)})" for a in t.axes)
     return f"{t.name}[{axes}]"

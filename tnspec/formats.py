@@ -25,6 +25,7 @@ import warnings
 from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Sequence
 
 from .errors import SpecError
+from .settings import positive_int
 
 if TYPE_CHECKING:
     from .api import Layer
@@ -159,10 +160,10 @@ def build(format: str, in_channels: int, out_channels: int, kernel_size: IntOrTu
     if format not in _FORMATS:
         raise SpecError(f"unknown format {format!r}", hint=f"choose one of {', '.join(NAMES)}")
     builder, count, names = _FORMATS[format]
-    for what, value in (("in_channels", in_channels), ("out_channels", out_channels),
-                        ("groups", groups), ("blocks", blocks), ("phi", phi)):
-        if not (value is None and what == "phi") and \
-                (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+    given = {"in_channels": in_channels, "out_channels": out_channels, "groups": groups,
+             "blocks": blocks, **({} if phi is None else {"phi": phi})}
+    for what, value in given.items():
+        if positive_int(value) is None:
             raise SpecError(f"{what}={value!r} must be a positive int",
                             hint="channels, groups, blocks and phi are sizes (1 or more)")
     phi = 4 if format == "htk2" and phi is None else phi
@@ -208,21 +209,20 @@ def build(format: str, in_channels: int, out_channels: int, kernel_size: IntOrTu
         return Format(f"{', '.join(operands)} -> y[{out}]", all_sizes)
 
     free = len(ranks) - (format == "block_term")
+    dense = in_channels * out_channels // groups * math.prod(sizes[k] for k in parts.ks)
     if isinstance(rank, float) and free == 0:
         return make([])  # nothing to fit: the format has no rank edge
     if isinstance(rank, float):
         if not 0 < rank <= 1:
             raise SpecError(f"a fractional rank is a share of the dense parameters, got {rank}",
                             hint="give a float in (0, 1] or an int")
-        dense = in_channels * out_channels // groups * math.prod(sizes[k] for k in parts.ks)
         return _fit(lambda r: make([r] * free), rank * dense)
     rank_sizes = [rank] * free if isinstance(rank, int) else list(rank)
-    if free and (len(rank_sizes) != free or any(
-            not isinstance(r, int) or isinstance(r, bool) or r < 1 for r in rank_sizes)):
+    if free and (len(rank_sizes) != free or
+                 any(positive_int(r) is None for r in rank_sizes)):
         raise SpecError(f"{format} here has {free} rank edge(s), got rank={rank!r}",
                         hint=f"give one positive int, or a tuple of {free}")
     fmt = make(rank_sizes[:free])
-    dense = in_channels * out_channels // groups * math.prod(sizes[k] for k in parts.ks)
     params = _parameters(fmt)
     if params > dense:
         warnings.warn(f"{format} with rank={rank!r} has {params:,} parameters, more than the "

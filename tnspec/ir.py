@@ -30,13 +30,12 @@ Nothing in this module imports torch or a later stage: the stages are functions 
 
 from __future__ import annotations
 
-from collections import Counter
 import math
+from collections import Counter
 from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Iterable, Mapping
 
-#: the default limit on the elements of one core, and of one planned intermediate per sample
 #: the largest core (or bias) a spec may declare, in elements
 DEFAULT_MAX_ELEMENTS = 2**31
 #: the most one tensor of the forward pass (padded input, intermediate, output) may take, in

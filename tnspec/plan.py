@@ -445,5 +445,5 @@ def plan(net: Network, planner: str = "auto", *, max_bytes: int = DEFAULT_MAX_BY
     sizes = net.sizes
     guard_bytes(net, [(_operand(s.result), math.prod(sizes[i] for i in s.result.indices))
                       for s in steps], max_bytes, itemsize)
-    positions = math.prod(net.sizes[i] for i in net.with_role(Role.BATCH, Role.SPATIAL_OUT))
+    positions = math.prod(sizes[i] for i in net.with_role(Role.BATCH, Role.SPATIAL_OUT))
     return Plan(net, tuple(steps), planner, net.dense_parameters * positions)

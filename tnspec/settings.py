@@ -22,6 +22,7 @@ _OPTION_KEYS = ("init", "activation", "bias", "distribution", "stride_count")
 #: stds are finite, nonzero floats for any layer size
 SCALE_RANGE = (1e-6, 1e6)
 MAX_SLOPE = 1e3
+_FLOAT = re.compile(r"[-+]?(inf|([0-9]+\.?[0-9]*|\.[0-9]+)([eE][-+]?[0-9]+)?)")
 _OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul, "//": operator.floordiv}
 
 
@@ -195,17 +196,15 @@ def activation_from_python(value: str | float) -> tuple[str | float, float | Non
                         hint="the scale p_a is 1 for linear/tanh, 0.5 for relu")
     match = re.fullmatch(r"\s*([a-z_]+)\s*(?:\(\s*([-+0-9.eE]+|[-+]?inf)\s*\))?\s*",
                          str(value))
-    if match and match.group(1) in ACTIVATIONS and (match.group(2) is None or
-                                                    match.group(1) == "leaky_relu"):
-        try:
-            slope = None if match.group(2) is None else float(match.group(2))
-        except ValueError:
-            slope = None
-        else:
-            if slope is None or abs(slope) <= MAX_SLOPE:
-                return match.group(1), slope
-            raise SpecError(f"leaky_relu slope {match.group(2)} is outside [-{MAX_SLOPE:g}, "
-                            f"{MAX_SLOPE:g}]", hint="slopes are usually 0.01 to 0.3")
+    name, text = match.groups() if match else (None, None)
+    if name in ACTIVATIONS and text is None:
+        return name, None
+    if name == "leaky_relu" and _FLOAT.fullmatch(text):
+        slope = float(text)
+        if abs(slope) <= MAX_SLOPE:
+            return name, slope
+        raise SpecError(f"leaky_relu slope {text} is outside [-{MAX_SLOPE:g}, {MAX_SLOPE:g}]",
+                        hint="slopes are usually 0.01 to 0.3")
     close = difflib.get_close_matches(str(value), ACTIVATIONS, n=1)
     raise SpecError(f"invalid activation: {value!r}",
                     hint=f"did you mean {close[0]!r}?" if close else
