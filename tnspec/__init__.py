@@ -11,7 +11,8 @@ backward (the reproducing transformation), analysis (backbone graphs), init (how
 drawn), plan (contraction order, each step's op and axis split), lower (typed program), codegen
 (Python source; ``lines`` breaks its lines), runtime (executes generated source: the one
 executor), report (``explain``), api (entry points) and cli (the ``tnspec`` command); around
-them: formats (named formats as spec text), convert (``tensorize`` an existing model), audit
+them: formats (named formats as spec text), decompose (a layer's dense weight, and fitting any
+network's cores to one), convert (``tensorize`` an existing model, ``merge`` back), audit
 (variance ratios of any model, layer by layer) and draw (the hypergraph as Graphviz DOT).
 """
 
@@ -21,7 +22,7 @@ from .analysis import Backbone, backbone
 from .api import Layer, compile, compile_all, contract, generate, layer
 from .audit import Audit, audit
 from .backward import backward
-from .convert import tensorize
+from .convert import merge, tensorize
 from .errors import SpecError
 from .ir import Conv, Index, Network, Options, Role, Tensor
 from .plan import Plan
@@ -31,5 +32,5 @@ from .report import explain
 __all__ = [
     "Audit", "Backbone", "Conv", "Index", "Layer", "Network", "Options", "Plan", "Role",
     "SpecError", "Tensor", "__version__", "audit", "backbone", "backward", "compile",
-    "compile_all", "contract", "explain", "formats", "generate", "layer", "tensorize",
+    "compile_all", "contract", "explain", "formats", "generate", "layer", "merge", "tensorize",
 ]

@@ -16,11 +16,10 @@ from dataclasses import replace
 from types import SimpleNamespace
 from typing import Any, Mapping, Sequence
 
-import opt_einsum
 import torch
 from torch import nn
 
-from . import codegen, runtime
+from . import codegen, decompose, runtime
 from .check import check, select_layer
 from .codegen import LayerCode, summary_line
 from .errors import SpecError
@@ -262,28 +261,29 @@ class Layer(nn.Module):
         ``F.conv2d(x, layer.dense_weight(), layer.bias, layer.stride, layer.padding,
         layer.dilation, layer.groups)`` equals ``layer(x)``. A SpecError for a network that is
         neither conv-like nor linear-like."""
-        geo = geometry(self.network)
-        if geo is None:
-            raise SpecError(f"{self.spec!r} is not a conv or linear layer, so it has no dense "
-                            "weight", hint="dense_weight needs x[b, C, spatial...] -> "
-                            "y[b, O, spatial...] with zero-padded convolutions")
-        net = self.network
-        ins = [i for i in geo.inputs if i not in geo.groups]
-        outs = [i for i in geo.outputs if i not in geo.groups]
-        kernels = [str(c.kernel) for c in geo.convs if c.kernel is not None]
-        operands: list[Any] = []
-        for core in net.cores:
-            tensor = getattr(self, core.name)
-            if core.flipped:
-                tensor = tensor.flip([core.indices.index(k) for k in sorted(core.flipped)])
-            operands += [tensor, list(core.indices)]
-        target = [*geo.groups, *outs, *ins, *kernels]
-        weight = opt_einsum.contract(*operands, target)  # any number of indices
-        sizes = self.sizes
-        shape = [math.prod(sizes[i] for i in (*geo.groups, *outs)),
-                 math.prod(sizes[i] for i in ins)]
-        shape += [sizes[str(c.kernel)] if c.kernel is not None else 1 for c in geo.convs]
-        return weight.reshape(shape)
+        return decompose.dense_weight(self.network, dict(self.named_parameters()))
+
+    def fit_(self, weight: torch.Tensor, *, max_iter: int = 200, tol: float = 1e-7,
+             starts: int = 4) -> float:
+        """Set the cores, in place, so that :meth:`dense_weight` approximates ``weight`` (an
+        ``nn.ConvNd``/``nn.Linear`` weight of that shape); return the relative error
+        ``||dense_weight() - weight|| / ||weight||`` reached, computed from the cores as set.
+
+        Alternating least squares from an SVD start (Tucker factors, chain ends) or, for cores
+        without one, the best of ``starts`` Graph-in random starts; at most ``max_iter``
+        sweeps, stopping when one improves the error by less than ``tol`` of it. Works for any
+        conv-like or linear-like network, on the layer's device, in float64 internally. The
+        bias is left alone. The global RNG is untouched."""
+        if not isinstance(weight, torch.Tensor):
+            raise TypeError(f"fit_ takes the dense weight as a torch.Tensor, got "
+                            f"{type(weight).__name__}")
+        first = next(iter(self.parameters()))
+        cores = decompose.fit(self.network, weight.detach().to(first.device), max_iter=max_iter,
+                              tol=tol, starts=starts)
+        with torch.no_grad():
+            for name, tensor in cores.items():
+                getattr(self, name).copy_(tensor)
+            return decompose.relative_error(self.dense_weight(), weight)
 
     def source(self, shape: Sequence[int]) -> str:
         """The generated module whose ``forward`` this layer runs for an input of ``shape``:

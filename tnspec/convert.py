@@ -1,13 +1,13 @@
 """``tnspec.tensorize``: replace the ``nn.Conv1d/2d/3d`` and ``nn.Linear`` layers of an existing
-model by tensorial layers of a named format, initialized for the activation that follows them.
-
-The new layers are freshly initialized (Graph-in by default). Copying a trained dense weight
-into the format by decomposition is out of scope: tensorize a model before training it.
+model by tensorial layers of a named format, either freshly initialized for the activation that
+follows them (Graph-in by default) or fitted to the trained weights they replace
+(``weights="fit"``); and ``tnspec.merge``, the way back to dense layers for deployment.
 """
 
 from __future__ import annotations
 
 import fnmatch
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -17,6 +17,7 @@ from torch import nn
 from . import formats
 from .api import Layer, _with_options, compile
 from .errors import SpecError
+from .shapes import geometry
 
 Selector = str | Sequence[str] | Callable[[str, nn.Module], bool] | None
 _CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
@@ -55,6 +56,8 @@ class Replacement:
     params_after: int
     activation: str
     activation_from: str
+    fit_error: float | None = None  # relative error of the fitted weight (weights="fit")
+    error_goal: float | None = None  # the error= asked for
 
 
 @dataclass(frozen=True)
@@ -76,8 +79,12 @@ class Report:
                  "fewer)"]
         for r in self.replaced:
             lines.append(f"  {r.name}: {r.before}")
-            lines.append(f"      {r.params_before:,} -> {r.params_after:,} params, init for "
-                         f"{r.activation} ({r.activation_from})")
+            how = (f"init for {r.activation} ({r.activation_from})" if r.fit_error is None
+                   else f"fitted to its weights, relative error {r.fit_error:.4f}")
+            if r.error_goal is not None and r.fit_error is not None and \
+                    r.fit_error > r.error_goal:
+                how += f" (the goal {r.error_goal:g} is not reached even at the full share)"
+            lines.append(f"      {r.params_before:,} -> {r.params_after:,} params, {how}")
         groups: dict[tuple[str, str], list[str]] = {}
         for (name, why), kind in zip(self.skipped,
                                      self.skipped_kinds or ("layer",) * len(self.skipped)):
@@ -93,7 +100,8 @@ class Report:
 
 def tensorize(model: nn.Module, format: str = "tucker2", *, rank: int | float = 0.5,
               include: Selector = None, exclude: Selector = None, init: str = "graph-in",
-              activation: str | float | None = None, **options: Any) -> tuple[nn.Module, Report]:
+              activation: str | float | None = None, weights: str = "init",
+              error: float | None = None, **options: Any) -> tuple[nn.Module, Report]:
     """Replace, in place, every ``nn.Conv1d/2d/3d`` and ``nn.Linear`` of ``model`` selected by
     ``include``/``exclude`` (glob patterns on qualified names such as ``"features.*"``, or a
     function of ``(name, module)``) by a tnspec layer of ``format`` (a name of
@@ -104,6 +112,12 @@ def tensorize(model: nn.Module, format: str = "tucker2", *, rank: int | float = 
     order of an ``nn.Sequential``) unless ``activation`` is given. Layers that cannot be
     expressed (reflect padding, asymmetric 'same' padding, a rank too small) are skipped and
     listed in the report. Returns ``(model, report)``.
+
+    ``weights="fit"`` fits each new layer to the weight of the layer it replaces
+    (:meth:`Layer.fit_`) and copies the bias; the report gives each fit's relative error. With
+    ``error=`` (0.1: 10%) the rank is chosen per layer instead of ``rank``: the smallest share of
+    the dense layer's parameters, found by bisection, whose fit reaches that error (or the
+    whole share, 1.0, if none does; the report shows the error reached).
 
     >>> net = nn.Sequential(nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.Flatten(),
     ...                     nn.Linear(32 * 8 * 8, 10))
@@ -116,6 +130,11 @@ def tensorize(model: nn.Module, format: str = "tucker2", *, rank: int | float = 
     if format not in formats.NAMES:
         raise SpecError(f"unknown format {format!r}",
                         hint=f"choose one of {', '.join(formats.NAMES)}")
+    if weights not in ("init", "fit"):
+        raise SpecError(f"weights={weights!r}", hint='"init" (a fresh init) or "fit" (fitted '
+                        "to the trained weights)")
+    if error is not None and (weights != "fit" or not 0 < error < 1):
+        raise SpecError(f"error={error!r} needs weights='fit' and a relative error in (0, 1)")
     before = sum(p.numel() for p in model.parameters())
     following = _following_activations(model)
     tied = _tied(model)
@@ -134,7 +153,13 @@ def tensorize(model: nn.Module, format: str = "tucker2", *, rank: int | float = 
         try:
             if name in tied:
                 raise SpecError(tied[name])
-            new = _replacement(module, format, rank, init, act, options)
+            fit_error = None
+            if error is not None:
+                new, fit_error = _smallest(module, format, init, act, options, error)
+            else:
+                new = _replacement(module, format, rank, init, act, options)
+                if weights == "fit":
+                    fit_error = _fitted(new, module)
         except SpecError as exc:
             skipped.append((name, exc.message))
             kinds.append(type(module).__name__)
@@ -142,7 +167,8 @@ def tensorize(model: nn.Module, format: str = "tucker2", *, rank: int | float = 
         _set_submodule(model, name, new)
         replaced.append(Replacement(name, repr(module), new.spec,
                                     sum(p.numel() for p in module.parameters()),
-                                    sum(p.numel() for p in new.parameters()), str(act), source))
+                                    sum(p.numel() for p in new.parameters()), str(act), source,
+                                    fit_error, error))
     after = sum(p.numel() for p in model.parameters())
     return model, Report(format, tuple(replaced), tuple(skipped), before, after, tuple(kinds),
                          tuple(sorted(other.items())))
@@ -198,6 +224,82 @@ def _replacement(module: nn.Module, format: str, rank: int | float, init: str,
     net = _with_options(compile(fmt.spec, sizes=fmt.sizes), init=init, activation=activation,
                         bias=module.bias is not None)
     return cls(net, dtype=weight.dtype, device=weight.device)
+
+
+def _fitted(new: Layer, module: nn.Module) -> float:
+    """Fit ``new`` to the dense ``module``'s weight, copy its bias; the relative error."""
+    err = new.fit_(module.weight.detach())
+    if module.bias is not None:
+        with torch.no_grad():
+            new.bias.copy_(module.bias.reshape(new.bias.shape))
+    return err
+
+
+def _smallest(module: nn.Module, format: str, init: str, activation: str | float,
+              options: dict[str, Any], error: float, steps: int = 6) -> tuple[Layer, float]:
+    """The fitted layer of the smallest rank share (bisection on (0, 1]) reaching ``error``."""
+    best = _replacement(module, format, 1.0, init, activation, options)
+    best_error = _fitted(best, module)
+    low, high = 0.0, 1.0
+    for _ in range(steps if best_error <= error else 0):
+        share = (low + high) / 2
+        try:
+            new = _replacement(module, format, share, init, activation, options)
+        except SpecError:  # no rank fits that share
+            low = share
+            continue
+        new_error = _fitted(new, module)
+        if new_error <= error:
+            best, best_error, high = new, new_error, share
+        else:
+            low = share
+    return best, best_error
+
+
+def merge(model: nn.Module) -> nn.Module:
+    """Replace, in place, every conv-like or linear-like tnspec layer of ``model`` by the dense
+    ``nn.Conv1d/2d/3d`` or ``nn.Linear`` with its :meth:`~Layer.dense_weight` and bias (same
+    stride, padding, dilation, groups, dtype and device): for deployment where dense is
+    faster. Returns the model; a tnspec layer given as the model itself returns its dense
+    module. Layers of other networks stay, with a warning naming them.
+
+    >>> layer = formats.cp(16, 32, 3, rank=8, padding=1).layer()
+    >>> merge(layer)
+    Conv2d(16, 32, kernel_size=(3, 3), stride=(1, 1), padding=(1, 1))
+    """
+    kept = []
+    for name, module in list(model.named_modules()):
+        if not isinstance(module, Layer):
+            continue
+        if geometry(module.network) is None:
+            kept.append(name or "the model")
+            continue
+        dense = _dense(module)
+        if not name:
+            return dense
+        _set_submodule(model, name, dense)
+    if kept:
+        warnings.warn(f"merge kept {len(kept)} tnspec layer(s) that are neither conv-like nor "
+                      f"linear-like: {', '.join(kept[:4])}{', ...' if len(kept) > 4 else ''}",
+                      stacklevel=2)
+    return model
+
+
+def _dense(layer: Layer) -> nn.Module:
+    """The ``nn.ConvNd`` or ``nn.Linear`` computing what a conv/linear-like ``layer`` does."""
+    weight = layer.dense_weight().detach()
+    kind = dict(dtype=weight.dtype, device=weight.device, bias=layer.bias is not None)
+    if weight.dim() == 2:
+        dense: nn.Module = nn.Linear(layer.in_features, layer.out_features, **kind)
+    else:
+        conv = (nn.Conv1d, nn.Conv2d, nn.Conv3d)[weight.dim() - 3]
+        dense = conv(layer.in_channels, layer.out_channels, layer.kernel_size, layer.stride,
+                     layer.padding, layer.dilation, layer.groups, **kind)
+    with torch.no_grad():
+        dense.weight.copy_(weight)
+        if layer.bias is not None:
+            dense.bias.copy_(layer.bias.reshape(-1))
+    return dense
 
 
 def _selected(name: str, module: nn.Module, include: Selector, exclude: Selector) -> bool:

@@ -1,0 +1,219 @@
+"""Decomposition: Layer.fit_ (ALS for any network), tensorize(weights="fit"), merge."""
+
+import copy
+import doctest
+
+import pytest
+import torch
+from torch import nn
+
+import tnspec
+from tnspec import convert, decompose, formats
+
+
+def _instance(fmt: formats.Format, seed: int, noise: float = 0.005,
+              dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The dense weight of a random instance of ``fmt`` plus relative Gaussian noise."""
+    torch.manual_seed(seed)
+    weight = fmt.layer(dtype=dtype).dense_weight().detach()
+    return weight + noise * weight.std() * torch.randn_like(weight)
+
+
+def _true_error(layer: tnspec.Layer, weight: torch.Tensor) -> float:
+    """The relative error from the layer's dense weight (test_formats checks that weight
+    against F.conv on the layer's own outputs), in float64."""
+    w = layer.dense_weight().detach().double()
+    return float(torch.linalg.norm(w - weight.double()) / torch.linalg.norm(weight.double()))
+
+
+@pytest.mark.parametrize("name, starts", [
+    ("cp", 1), ("tucker2", 1), ("tt", 1), ("tr", 1), ("tucker", 1), ("hypernet", 1),
+    ("low_rank", 1), ("htk2", 12), ("block_term", 4)])
+def test_fit_recovers_a_noisy_instance_of_the_same_network(name, starts):
+    fmt = formats.build(name, 16, 24, 3, padding=1, rank=0.2)
+    weight = _instance(fmt, seed=0)
+    layer = fmt.layer()
+    error = layer.fit_(weight, starts=starts)
+    assert error < 0.02  # the noise is 0.5%
+    assert error == pytest.approx(_true_error(layer, weight), rel=1e-6)
+
+
+def test_fit_of_a_linear_layer_matches_the_outputs_of_the_fitted_layer():
+    fmt = formats.tt(64, 48, rank=4, in_modes=(4, 4, 4), out_modes=(4, 4, 3))
+    weight = _instance(fmt, seed=1)
+    layer = fmt.layer()
+    error = layer.fit_(weight)
+    eye = torch.eye(64)
+    with torch.no_grad():
+        from_outputs = (layer(eye) - layer.bias).T  # the weight as the layer applies it
+    true = float(torch.linalg.norm(from_outputs - weight) / torch.linalg.norm(weight))
+    assert error == pytest.approx(true, rel=1e-4) and error < 0.02
+
+
+@pytest.mark.parametrize("kernel, kwargs", [
+    ((3,), dict(stride=2, padding=1)),
+    ((3, 5), dict(stride=(1, 2), padding=(1, 0), dilation=(2, 1), groups=2)),
+    ((3, 1, 3), dict(padding=1)),
+])
+def test_fit_handles_groups_strides_and_dimensions(kernel, kwargs):
+    fmt = formats.build("tucker2", 8, 12, kernel, rank=3, **kwargs)
+    weight = _instance(fmt, seed=2)
+    assert fmt.layer().fit_(weight) < 0.02
+
+
+def test_fit_never_forms_a_large_gram_matrix_and_still_converges(monkeypatch):
+    monkeypatch.setattr(decompose, "GRAM_ELEMENTS", 0)
+    monkeypatch.setattr(decompose, "GRAM_FACTOR", 0)  # conjugate gradients for every core
+    fmt = formats.tucker2(32, 32, 3, rank=6, padding=1)
+    weight = _instance(fmt, seed=3)
+    assert fmt.layer().fit_(weight) < 0.02
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_fit_keeps_the_dtype_and_leaves_the_global_rng_alone(dtype):
+    fmt = formats.htk2(16, 16, 3, rank=3, padding=1)
+    weight = _instance(fmt, seed=4, dtype=dtype)
+    layer = fmt.layer(dtype=dtype)
+    state = torch.get_rng_state()
+    with torch.inference_mode():
+        layer.fit_(weight, starts=2)
+    assert torch.equal(state, torch.get_rng_state())
+    assert all(p.dtype == dtype for p in layer.parameters())
+
+
+def test_fitted_cores_keep_graph_in_proportions():
+    """The fit fixes the product of the cores; their scales follow Graph-in's split."""
+    fmt = formats.cp(16, 16, 3, rank=6, padding=1)
+    layer = fmt.layer()
+    layer.fit_(_instance(fmt, seed=5))
+    inits = {c.core: c.std(layer.sizes) for c in tnspec.init.core_inits(layer.network)}
+    ratios = [float(getattr(layer, n).detach().std()) / s for n, s in inits.items()]
+    assert max(ratios) / min(ratios) == pytest.approx(1.0, rel=1e-6)
+
+
+def test_fit_of_a_zero_weight_gives_zero_cores_and_error_zero():
+    layer = formats.cp(4, 4, 3, rank=2).layer()
+    assert layer.fit_(torch.zeros(4, 4, 3, 3)) == 0.0
+    assert not layer.dense_weight().any()
+
+
+@pytest.mark.parametrize("weight, message", [
+    (torch.zeros(4, 4, 3), r"the weight has shape \(4, 4, 3\), the layer's dense weight "
+                           r"\(4, 4, 3, 3\)"),
+    (torch.full((4, 4, 3, 3), float("nan")), "NaN or infinite"),
+])
+def test_fit_refuses_a_wrong_weight(weight, message):
+    with pytest.raises(tnspec.SpecError, match=message):
+        formats.cp(4, 4, 3, rank=2).layer().fit_(weight)
+
+
+def test_fit_refuses_bad_settings_and_networks_without_a_dense_weight():
+    layer = formats.cp(4, 4, 3, rank=2).layer()
+    with pytest.raises(tnspec.SpecError, match="max_iter=0, starts=1 and tol=0.1"):
+        layer.fit_(torch.ones(4, 4, 3, 3), max_iter=0, starts=1, tol=0.1)
+    with pytest.raises(TypeError, match="fit_ takes the dense weight as a torch.Tensor"):
+        layer.fit_([[1.0]])
+    odd = tnspec.layer("x[b, t, c], W[c, o] -> y[b, t, o]", c=2, o=3)
+    with pytest.raises(tnspec.SpecError, match="is not a conv or linear layer"):
+        odd.fit_(torch.ones(3, 2))
+
+
+def _cnn() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(),
+                         nn.Conv2d(16, 16, 3, padding=2, dilation=2, groups=2), nn.ReLU(),
+                         nn.Flatten(), nn.Linear(16 * 5 * 5, 10))
+
+
+def test_tensorize_fit_copies_weights_and_bias_and_merge_round_trips():
+    dense = _cnn()
+    # make the dense weights exactly tucker2 of rank 4, so the fit can be exact
+    exact = tnspec.merge(tnspec.tensorize(copy.deepcopy(dense), "tucker2", rank=4)[0])
+    for m in exact.modules():
+        if isinstance(m, (nn.Conv2d, nn.Linear)):
+            nn.init.uniform_(m.bias)
+    model, report = tnspec.tensorize(copy.deepcopy(exact), "tucker2", rank=4, weights="fit")
+    x = torch.randn(2, 3, 5, 5)
+    assert all(r.fit_error < 1e-6 for r in report.replaced)
+    assert "fitted to its weights, relative error 0.0000" in str(report)
+    torch.testing.assert_close(model(x), exact(x), rtol=1e-4, atol=1e-4)
+    back = tnspec.merge(model)
+    assert [type(m) for m in back] == [type(m) for m in exact]
+    torch.testing.assert_close(back(x), exact(x), rtol=1e-4, atol=1e-4)
+
+
+def test_merge_of_a_fit_is_within_the_reported_error():
+    dense = _cnn()
+    model, report = tnspec.tensorize(copy.deepcopy(dense), "cp", rank=0.3, weights="fit")
+    merged = tnspec.merge(model)
+    for r in report.replaced:
+        before, after = dense.get_submodule(r.name), merged.get_submodule(r.name)
+        err = torch.linalg.norm(after.weight - before.weight) / torch.linalg.norm(before.weight)
+        assert float(err) == pytest.approx(r.fit_error, rel=1e-4)
+        torch.testing.assert_close(after.bias, before.bias)
+
+
+def test_tensorize_error_picks_the_smallest_share_that_reaches_it():
+    torch.manual_seed(0)
+    source = formats.tucker2(16, 16, 3, rank=4, padding=1).layer()
+    conv = tnspec.merge(source)
+    with torch.no_grad():
+        conv.weight += 0.005 * conv.weight.std() * torch.randn_like(conv.weight)
+    model, report = tnspec.tensorize(nn.Sequential(conv), "tucker2", weights="fit", error=0.02)
+    (r,) = report.replaced
+    assert r.fit_error <= 0.02
+    assert model[0].sizes["r0"] >= 4 and r.params_after < r.params_before
+    loose = tnspec.tensorize(nn.Sequential(copy.deepcopy(conv)), "tucker2", weights="fit",
+                             error=0.9)[1].replaced[0]
+    assert loose.params_after < r.params_after
+
+
+def test_tensorize_refuses_unknown_weights_and_error_without_fit():
+    with pytest.raises(tnspec.SpecError, match="weights='trained'"):
+        tnspec.tensorize(_cnn(), weights="trained")
+    with pytest.raises(tnspec.SpecError, match="error=0.1 needs weights='fit'"):
+        tnspec.tensorize(_cnn(), error=0.1)
+
+
+@pytest.mark.parametrize("fmt", ["cp", "tt", "tr", "odd", "depthwise_separable"])
+@pytest.mark.parametrize("kernel, kwargs", [
+    ((3,), dict(stride=2, padding=1)),
+    ((3, 5), dict(stride=(1, 2), padding=(1, 0), dilation=(2, 1))),
+    ((3, 1, 3), dict(padding=1)),
+    ((), {}),
+])
+@pytest.mark.filterwarnings("ignore:.*of the dense layer it stands for")
+def test_merge_gives_the_dense_module_computing_the_same(fmt, kernel, kwargs):
+    if fmt == "depthwise_separable" and not kernel:
+        return
+    layer = formats.build(fmt, 8, 12, kernel, rank=2, **kwargs).layer(dtype=torch.float64)
+    with torch.no_grad():
+        layer.bias.normal_()
+    x = torch.randn(3, 8, *[9] * len(kernel), dtype=torch.float64)
+    dense = tnspec.merge(copy.deepcopy(layer))
+    assert type(dense) is (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)[len(kernel)]
+    assert dense.weight.dtype == torch.float64
+    torch.testing.assert_close(dense(x), layer(x))
+
+
+def test_merge_keeps_layers_without_a_dense_weight_and_says_so():
+    other = tnspec.layer("x[b, t, c], W[c, o] -> y[b, t, o]", c=2, o=3)
+    model = nn.Sequential(formats.cp(2, 2, rank=1).layer(), other)
+    with pytest.warns(UserWarning, match=r"merge kept 1 tnspec layer\(s\) that are neither "
+                      "conv-like nor linear-like: 1"):
+        merged = tnspec.merge(model)
+    assert isinstance(merged[0], nn.Linear) and merged[1] is other
+
+
+def test_the_merge_docstring_example_runs():
+    result = doctest.testmod(convert, extraglobs={"nn": nn})
+    assert result.failed == 0 and result.attempted >= 2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_fit_on_cuda():
+    fmt = formats.tt(32, 32, 3, rank=4, padding=1)
+    weight = _instance(fmt, seed=6).cuda()
+    layer = fmt.layer(device="cuda")
+    assert layer.fit_(weight) < 0.02
+    assert layer.A.device.type == "cuda"

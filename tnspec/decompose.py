@@ -1,0 +1,291 @@
+"""Decomposition: a conv-like or linear-like network as the dense weight torch would run, and the
+reverse, fitting the cores of *any* such network to a given dense weight.
+
+The dense weight is one contraction of the cores (opt_einsum, so any number of indices works).
+Fitting is alternating least squares (ALS): the network is linear in each core, so the best core
+given all the others solves the normal equations ``G c = B`` where
+
+    B = <W, the network without core k>          (the weight contracted with the other cores)
+    G = <the other cores, a copy of them>         (summed over every weight index)
+
+Both are contractions that opt_einsum plans once per core; neither forms the (weight x core)
+matrix of the problem, so memory stays near the dense weight's. A weight index that the core
+shares with other cores (a group index, a hyperedge into the weight) makes one small problem
+per value of it. When ``G`` would be large it is never formed: conjugate gradients solve the
+same equations with products computed through the network.
+
+Start: a core whose only non-weight index is one bond (a Tucker or CP factor, the end of a
+chain) starts from the leading left singular vectors of the weight unfolded along its weight
+indices (HOSVD, TensorLy's "svd" init); the other cores start from a Graph-in draw and are
+solved first. At the end the cores are rescaled (their product unchanged) so that their
+standard deviations keep the proportions of Graph-in init, which is what training expects.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+import opt_einsum
+import torch
+from torch import Tensor
+
+from .errors import SpecError
+from .init import core_inits
+from .ir import Network
+from .shapes import geometry
+
+#: the Gram matrix of one core's problem is formed when it has at most GRAM_ELEMENTS elements
+#: or GRAM_FACTOR times the dense weight's, whichever is more; beyond, conjugate gradients
+#: solve the same equations without it
+GRAM_ELEMENTS = 2**22
+GRAM_FACTOR = 4
+_RIDGE = 1e-10  # relative to the Gram's mean diagonal: keeps gauge-redundant problems solvable
+
+
+@dataclass(frozen=True)
+class DenseLayout:
+    """The dense weight of a conv-like or linear-like network: ``target`` names the index of
+    each mode (groups, outputs, inputs, kernels; sizes ``modes``), ``shape`` is the weight's
+    shape as ``nn.ConvNd`` / ``nn.Linear`` hold it."""
+
+    target: tuple[str, ...]
+    modes: tuple[int, ...]
+    shape: tuple[int, ...]
+
+
+def layout(net: Network) -> DenseLayout:
+    """The dense layout of ``net``; a SpecError for a network that is neither conv-like nor
+    linear-like."""
+    geo = geometry(net)
+    if geo is None:
+        raise SpecError(f"{net.spec!r} is not a conv or linear layer, so it has no dense "
+                        "weight", hint="a dense weight needs x[b, C, spatial...] -> "
+                        "y[b, O, spatial...] with zero-padded convolutions")
+    sizes = net.sizes
+    ins = [i for i in geo.inputs if i not in geo.groups]
+    outs = [i for i in geo.outputs if i not in geo.groups]
+    kernels = [str(c.kernel) for c in geo.convs if c.kernel is not None]
+    target = (*geo.groups, *outs, *ins, *kernels)
+    shape = [math.prod(sizes[i] for i in (*geo.groups, *outs)), math.prod(sizes[i] for i in ins)]
+    shape += [sizes[str(c.kernel)] if c.kernel is not None else 1 for c in geo.convs]
+    return DenseLayout(target, tuple(sizes[i] for i in target), tuple(shape))
+
+
+def dense_weight(net: Network, cores: Mapping[str, Tensor]) -> Tensor:
+    """The dense weight of ``net`` with ``cores`` (by name), differentiable in them."""
+    lay = layout(net)
+    operands: list = []
+    for core in net.cores:
+        operands += [_unflipped(net, core.name, cores[core.name]), list(core.indices)]
+    return opt_einsum.contract(*operands, list(lay.target)).reshape(lay.shape)
+
+
+def _unflipped(net: Network, name: str, tensor: Tensor) -> Tensor:
+    """A core as the network reads it: kernel indices it reads in reverse are flipped (the same
+    operation undoes itself)."""
+    core = next(c for c in net.cores if c.name == name)
+    if not core.flipped:
+        return tensor
+    return tensor.flip([core.indices.index(k) for k in sorted(core.flipped)])
+
+
+def relative_error(approx: Tensor, weight: Tensor) -> float:
+    """``||approx - weight|| / ||weight||`` in float64 (0 for two zero weights)."""
+    a, w = approx.detach().double(), weight.detach().to(approx.device).double()
+    norm = torch.linalg.vector_norm(w).item()
+    diff = torch.linalg.vector_norm(a - w).item()
+    return diff / norm if norm > 0 else (0.0 if diff == 0 else math.inf)
+
+
+def fit(net: Network, weight: Tensor, *, max_iter: int = 200, tol: float = 1e-7,
+        starts: int = 4) -> dict[str, Tensor]:
+    """Cores (float64 on the weight's device, by name, as the layer stores them) whose dense
+    weight approximates ``weight`` (the ``nn.ConvNd``/``nn.Linear`` layout of :func:`layout`).
+
+    ALS with extrapolation from an SVD/Graph-in start: at most ``max_iter`` sweeps, stopping when
+    a sweep lowers the relative error by less than ``tol`` times it. When some cores start
+    random, ``starts`` random starts are fitted and the best kept (ALS finds local minima;
+    hyperedge formats such as block-term reach the global one from about half the starts)."""
+    lay = layout(net)
+    if tuple(weight.shape) != lay.shape:
+        raise SpecError(f"the weight has shape {tuple(weight.shape)}, the layer's dense weight "
+                        f"{lay.shape}", hint="pass the nn.Conv/nn.Linear weight this layer "
+                        "stands for (layer.dense_weight().shape)")
+    if not torch.isfinite(weight).all():
+        raise SpecError("the weight to fit has NaN or infinite entries")
+    if not (isinstance(max_iter, int) and max_iter >= 1 and isinstance(starts, int) and
+            starts >= 1 and tol >= 0):
+        raise SpecError(f"max_iter={max_iter!r}, starts={starts!r} and tol={tol!r} must be "
+                        "ints >= 1 and a number >= 0")
+    w = weight.detach().to(torch.float64).reshape(lay.modes)
+    labels = {c.name: c.indices for c in net.cores}
+    sizes = net.sizes
+    norm2 = float((w * w).sum())
+    if norm2 == 0:
+        return {n: w.new_zeros([sizes[i] for i in ix]) for n, ix in labels.items()}
+    problems = {n: _Problem(n, labels, lay, sizes) for n in labels}
+    whole = _expression([list(ix) for ix in labels.values()], list(lay.target), sizes)
+    best: tuple[float, dict[str, Tensor]] = (math.inf, {})
+    for seed in range(starts):
+        cores, seeded = _start(net, w, problems, seed)
+        order = [n for n in labels if n not in seeded] + [n for n in labels if n in seeded]
+        best = min(best, _als(net, problems, order, whole, w, cores, max_iter, tol),
+                   key=lambda run: run[0])
+        if len(seeded) == len(labels):
+            break  # nothing random in the start: another would be the same
+    cores = best[1]
+    return {n: _unflipped(net, n, t) for n, t in cores.items()}
+
+
+def _als(net: Network, problems: Mapping[str, "_Problem"], order: Sequence[str], whole,
+         w: Tensor, cores: dict[str, Tensor], sweeps: int, tol: float
+         ) -> tuple[float, dict[str, Tensor]]:
+    """ALS sweeps over ``order`` with Bro's extrapolation; returns (error, cores)."""
+    norm = float(torch.linalg.vector_norm(w))
+    def error_of(c: Mapping[str, Tensor]) -> float:
+        return float(torch.linalg.vector_norm(whole(*c.values()) - w)) / norm
+    error, previous, last = math.inf, math.inf, None
+    for sweep in range(1, sweeps + 1):
+        before = dict(cores)
+        for name in order:
+            residual2 = problems[name].solve(w, cores)
+        error = math.sqrt(max(residual2, 0.0)) / norm
+        if last is not None and sweep > 2:  # jump along the last sweep's direction
+            jump = sweep ** (1 / 3)
+            trial = {n: cores[n] + jump * (cores[n] - last[n]) for n in cores}
+            trial_error = error_of(trial)
+            if trial_error < error:
+                cores, error = trial, trial_error
+        last = before
+        _balance(net, cores)
+        if error < 1e-13 or previous - error <= tol * error:
+            break
+        previous = error
+    return error, cores
+
+
+class _Problem:
+    """The least-squares problem of one core given the others, as opt_einsum expressions."""
+
+    def __init__(self, name: str, labels: Mapping[str, Sequence[str]], lay: DenseLayout,
+                 sizes: Mapping[str, int]) -> None:
+        self.name = name
+        self.others = [n for n in labels if n != name]
+        own, target = labels[name], set(lay.target)
+        elsewhere = {i for n in self.others for i in labels[n]}
+        self.shared = [i for i in own if i in target and i in elsewhere]  # one problem per value
+        self.free = [i for i in own if i in target and i not in elsewhere]  # right-hand sides
+        self.unknowns = [i for i in own if i not in target]
+        self.order = self.shared + self.free + self.unknowns  # the solver's layout of the core
+        self.own = list(own)
+        self.target = list(lay.target)
+        dangling = [i for i in self.unknowns if i not in elsewhere]  # summed by this core only
+        self.ones = [torch.ones(sizes[i], dtype=torch.float64) for i in dangling]
+        other_terms = [list(labels[n]) for n in self.others] + [[i] for i in dangling]
+        self.sizes = {i: sizes[i] for i in (*lay.target, *elsewhere, *own)}
+        n_shared = math.prod(sizes[i] for i in self.shared)
+        self.n_unknowns = math.prod(sizes[i] for i in self.unknowns)
+        self.rhs = _expression([list(lay.target)] + other_terms, self.order, self.sizes)
+        self.network = _expression(other_terms + [self.order], list(lay.target), self.sizes)
+        budget = max(GRAM_ELEMENTS, GRAM_FACTOR * math.prod(lay.modes))
+        self.gram = None
+        if n_shared * self.n_unknowns**2 <= budget:
+            keep = set(lay.target)
+            def prime(term: list) -> list:
+                return [i if i in keep else (i, "'") for i in term]
+            out = self.shared + self.unknowns + [(i, "'") for i in self.unknowns]
+            self.gram = _expression(other_terms + [prime(t) for t in other_terms], out,
+                                    {**self.sizes, **{(i, "'"): s for i, s in self.sizes.items()}})
+
+    def solve(self, w: Tensor, cores: dict[str, Tensor]) -> float:
+        """Replace the core by its least-squares best; return the squared residual."""
+        others = [cores[n] for n in self.others] + [t.to(w.device) for t in self.ones]
+        b = self.rhs(w, *others)
+        m = self.n_unknowns
+        current = cores[self.name].permute([self.own.index(i) for i in self.order])
+        if self.gram is not None:
+            g = self.gram(*others, *others).reshape(-1, m, m)
+            ridge = _RIDGE * g.diagonal(dim1=1, dim2=2).mean() + 1e-300
+            g = g + ridge * torch.eye(m, dtype=g.dtype, device=g.device)
+            rows = b.reshape(g.shape[0], -1, m).transpose(1, 2)  # (shared, unknowns, free)
+            c = torch.linalg.solve(g, rows).transpose(1, 2).reshape(b.shape)
+        else:
+            c = self._cg(b, current, others)
+        cores[self.name] = c.permute([self.order.index(i) for i in self.own]).contiguous()
+        return float((w * w).sum() - (b * c).sum())
+
+    def _cg(self, b: Tensor, x: Tensor, others: list[Tensor], steps: int = 50) -> Tensor:
+        """Conjugate gradients on ``G c = B`` with ``G c`` computed through the network."""
+        def gram_times(c: Tensor) -> Tensor:
+            return self.rhs(self.network(*others, c), *others)
+        r = b - gram_times(x)
+        p, rr = r, (r * r).sum()
+        for _ in range(steps):
+            if rr <= 1e-28 * (b * b).sum():
+                break
+            gp = gram_times(p)
+            alpha = rr / (p * gp).sum()
+            x, r = x + alpha * p, r - alpha * gp
+            rr, rr_old = (r * r).sum(), rr
+            p = r + (rr / rr_old) * p
+        return x
+
+
+def _expression(terms: list[list], out: list, sizes: Mapping) -> opt_einsum.contract.ContractExpression:
+    """An opt_einsum expression for ``terms -> out`` with any hashable labels."""
+    symbols: dict = {}
+    def text(term: list) -> str:
+        return "".join(symbols.setdefault(i, opt_einsum.get_symbol(len(symbols))) for i in term)
+    equation = ",".join(map(text, terms)) + "->" + text(out)
+    shapes = [tuple(sizes[i] for i in t) for t in terms]
+    path, _ = opt_einsum.contract_path(equation, *shapes, shapes=True, optimize="auto-hq")
+    return opt_einsum.contract_expression(equation, *shapes, optimize=path)
+
+
+def _start(net: Network, w: Tensor, problems: Mapping[str, _Problem], seed: int
+           ) -> tuple[dict[str, Tensor], set[str]]:
+    """Starting cores: SVD factors for single-bond cores, a Graph-in draw for the others."""
+    gen = torch.Generator().manual_seed(seed)  # the user's global RNG stays untouched
+    sizes, cores, seeded = net.sizes, {}, set()
+    for spec, core in zip(core_inits(net, "graph-in"), net.cores):
+        p = problems[core.name]
+        shape = [sizes[i] for i in core.indices]
+        if len(p.unknowns) == 1 and not p.shared and not p.ones and p.free:
+            rank = p.n_unknowns
+            rows = w.permute([p.target.index(i) for i in p.free] +
+                             [i for i, n in enumerate(p.target) if n not in p.free])
+            u = _leading(rows.reshape(math.prod(sizes[i] for i in p.free), -1), rank, gen)
+            cores[core.name] = u.reshape([sizes[i] for i in p.free + p.unknowns]).permute(
+                [p.order.index(i) for i in core.indices]).contiguous()
+            seeded.add(core.name)
+        else:
+            cores[core.name] = (torch.randn(shape, generator=gen, dtype=torch.float64) *
+                                spec.std(sizes)).to(w.device)
+    return cores, seeded
+
+
+def _leading(m: Tensor, rank: int, gen: torch.Generator) -> Tensor:
+    """The ``rank`` leading left singular vectors of ``m``, random columns past its rank."""
+    u = torch.linalg.svd(m, full_matrices=False)[0][:, :rank]
+    if u.shape[1] < rank:
+        extra = torch.randn(m.shape[0], rank - u.shape[1], generator=gen, dtype=m.dtype)
+        u = torch.cat([u, extra.to(m.device) / math.sqrt(m.shape[0])], 1)
+    return u
+
+
+def _balance(net: Network, cores: dict[str, Tensor]) -> None:
+    """Rescale the cores, their product unchanged, so that their standard deviations keep the
+    proportions Graph-in init gives them."""
+    sizes = net.sizes
+    logs = {}
+    for spec in core_inits(net, "graph-in"):
+        std = float(cores[spec.core].std()) if cores[spec.core].numel() > 1 else \
+            float(cores[spec.core].abs().sum())
+        if not std > 0 or not math.isfinite(std):
+            return
+        logs[spec.core] = math.log(std / spec.std(sizes))
+    mean = sum(logs.values()) / len(logs)
+    for name, log in logs.items():
+        cores[name] = cores[name] * math.exp(mean - log)
