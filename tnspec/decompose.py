@@ -133,8 +133,8 @@ def fit(net: Network, weight: Tensor, *, max_iter: int = 200, tol: float = 1e-7,
         order = [n for n in labels if n not in seeded] + [n for n in labels if n in seeded]
         best = min(best, _als(net, problems, order, whole, w, cores, max_iter, tol),
                    key=lambda run: run[0])
-        if len(seeded) == len(labels):
-            break  # nothing random in the start: another would be the same
+        if len(labels) - len(seeded) <= 1:
+            break  # one random core at most, solved first: another start ends the same
     cores = best[1]
     return {n: _unflipped(net, n, t) for n, t in cores.items()}
 
@@ -240,7 +240,7 @@ def _expression(terms: list[list], out: list, sizes: Mapping) -> opt_einsum.cont
         return "".join(symbols.setdefault(i, opt_einsum.get_symbol(len(symbols))) for i in term)
     equation = ",".join(map(text, terms)) + "->" + text(out)
     shapes = [tuple(sizes[i] for i in t) for t in terms]
-    path, _ = opt_einsum.contract_path(equation, *shapes, shapes=True, optimize="auto-hq")
+    path, _ = opt_einsum.contract_path(equation, *shapes, shapes=True, optimize="auto")
     return opt_einsum.contract_expression(equation, *shapes, optimize=path)
 
 
