@@ -35,3 +35,16 @@ def test_choosing_smoke_runs_every_format(capsys):
     out = capsys.readouterr().out
     for fmt in (*choosing.FORMATS, "depthwise_separable"):
         assert f"| {fmt} |" in out, fmt
+
+
+def test_decompose_smoke_compares_with_tensorly_on_the_same_networks(capsys):
+    pytest.importorskip("tensorly", reason="tensorly is in the test extra")
+    decompose = load("decompose")
+    assert decompose.main(["--smoke"]) == 0
+    out = capsys.readouterr().out
+    rows = [line.split(" | ") for line in out.splitlines() if line.startswith("| power-law")]
+    assert [r[1] for r in rows] == ["cp", "tucker2", "tt"]
+    for r in rows:  # tnspec's error at most 2% above TensorLy's on the same network
+        assert float(r[5]) <= 1.02, r
+    for fmt in decompose.RECOVERY:
+        assert f"| {fmt} |" in out and "1/1" in out.split(f"| {fmt} |")[1].split("\n")[0], fmt
