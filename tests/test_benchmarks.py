@@ -46,5 +46,7 @@ def test_decompose_smoke_compares_with_tensorly_on_the_same_networks(capsys):
     assert [r[1] for r in rows] == ["cp", "tucker2", "tt"]
     for r in rows:  # tnspec's error at most 2% above TensorLy's on the same network
         assert float(r[5]) <= 1.02, r
-    for fmt in decompose.RECOVERY:
-        assert f"| {fmt} |" in out and "1/1" in out.split(f"| {fmt} |")[1].split("\n")[0], fmt
+    recovery = {line.split(" | ")[0][2:]: line for line in
+                out.split("exact recovery")[1].splitlines() if line.startswith("| ")}
+    for fmt in decompose.RECOVERY:  # tiny sizes: even the Odd network is recovered
+        assert "| 1/1 |" in recovery[fmt], fmt
