@@ -171,8 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--smoke", action="store_true", help="tiny sizes (tests)")
     args = parser.parse_args(argv)
     if args.smoke:
-        cases, ranks, repeats = [("power-law", 8, 6)], {"cp": (4,), "tucker2": (3,),
-                                                         "tt": (4,)}, 1
+        cases, repeats = [("power-law", 8, 6)], 1
+        ranks = {"cp": (4,), "tucker2": (3,), "tt": (4,)}
         channels, seeds, starts = 8, 1, 2
     else:
         cases = [("gaussian", 64, 64), ("power-law", 64, 64), ("power-law", 256, 256)]

@@ -144,6 +144,7 @@ def _als(net: Network, problems: Mapping[str, "_Problem"], order: Sequence[str],
          ) -> tuple[float, dict[str, Tensor]]:
     """ALS sweeps over ``order`` with Bro's extrapolation; returns (error, cores)."""
     norm = float(torch.linalg.vector_norm(w))
+
     def error_of(c: Mapping[str, Tensor]) -> float:
         return float(torch.linalg.vector_norm(whole(*c.values()) - w)) / norm
     error, previous, last = math.inf, math.inf, None
@@ -193,11 +194,13 @@ class _Problem:
         self.gram = None
         if n_shared * self.n_unknowns**2 <= budget:
             keep = set(lay.target)
+
             def prime(term: list) -> list:
                 return [i if i in keep else (i, "'") for i in term]
             out = self.shared + self.unknowns + [(i, "'") for i in self.unknowns]
             self.gram = _expression(other_terms + [prime(t) for t in other_terms], out,
-                                    {**self.sizes, **{(i, "'"): s for i, s in self.sizes.items()}})
+                                    {**self.sizes, **{(i, "'"): s for i, s in self.sizes.items()}},
+                                    limit=budget)  # else its path's intermediates are too big
 
     def solve(self, w: Tensor, cores: dict[str, Tensor]) -> float:
         """Replace the core by its least-squares best; return the squared residual."""
@@ -233,14 +236,19 @@ class _Problem:
         return x
 
 
-def _expression(terms: list[list], out: list, sizes: Mapping) -> opt_einsum.contract.ContractExpression:
-    """An opt_einsum expression for ``terms -> out`` with any hashable labels."""
+def _expression(terms: list[list], out: list, sizes: Mapping, limit: float = math.inf
+                ) -> opt_einsum.contract.ContractExpression | None:
+    """An opt_einsum expression for ``terms -> out`` with any hashable labels; None when its
+    largest intermediate would exceed ``limit`` elements."""
     symbols: dict = {}
+
     def text(term: list) -> str:
         return "".join(symbols.setdefault(i, opt_einsum.get_symbol(len(symbols))) for i in term)
     equation = ",".join(map(text, terms)) + "->" + text(out)
     shapes = [tuple(sizes[i] for i in t) for t in terms]
-    path, _ = opt_einsum.contract_path(equation, *shapes, shapes=True, optimize="auto")
+    path, info = opt_einsum.contract_path(equation, *shapes, shapes=True, optimize="auto")
+    if info.largest_intermediate > limit:
+        return None
     return opt_einsum.contract_expression(equation, *shapes, optimize=path)
 
 
