@@ -42,7 +42,8 @@ def accuracy(model: nn.Module, data: tuple[torch.Tensor, ...]) -> float:
         return (model(data[2]).argmax(1) == data[3]).float().mean().item()
 
 
-def run(seed: int, epochs: int, data: tuple[torch.Tensor, ...]) -> dict[str, tuple]:
+def run(seed: int, epochs: int, data: tuple[torch.Tensor, ...], fmts: tuple[str, ...] = FORMATS,
+        shares: tuple[float, ...] = SHARES) -> dict[str, tuple]:
     """{variant: (accuracy after the swap, after one epoch, mean fit error or None)}."""
     def adam(params):
         return torch.optim.Adam(params, lr=1e-3)
@@ -53,8 +54,8 @@ def run(seed: int, epochs: int, data: tuple[torch.Tensor, ...]) -> dict[str, tup
     tuned = copy.deepcopy(dense)
     out["dense"] = (accuracy(dense, data),
                     train(tuned, data, adam, epochs=1, batch=64, seed=seed + 100).final_acc, None)
-    for fmt in FORMATS:
-        for share in SHARES:
+    for fmt in fmts:
+        for share in shares:
             for weights in ("fit", "init"):
                 torch.manual_seed(seed)
                 model, report = tnspec.tensorize(copy.deepcopy(dense), fmt, rank=share,
@@ -77,7 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     seeds, epochs = ((0,), 1) if args.smoke else ((0, 1, 2), 15)
     if args.smoke:
         data = tuple(t[:300] for t in data[:2]) + data[2:]
-    runs = [run(seed, epochs, data) for seed in seeds]
+    fmts, shares = (("tucker2",), (0.5,)) if args.smoke else (FORMATS, SHARES)
+    runs = [run(seed, epochs, data, fmts, shares) for seed in seeds]
     dense_params = sum(p.numel() for p in cnn().parameters())
 
     def summary(values: list[float]) -> str:
