@@ -53,7 +53,8 @@ def run(seed: int, epochs: int, data: tuple[torch.Tensor, ...], fmts: tuple[str,
     out = {}
     tuned = copy.deepcopy(dense)
     out["dense"] = (accuracy(dense, data),
-                    train(tuned, data, adam, epochs=1, batch=64, seed=seed + 100).final_acc, None)
+                    train(tuned, data, adam, epochs=1, batch=64, seed=seed + 100).final_acc, None,
+                    sum(p.numel() for p in dense.parameters()))
     for fmt in fmts:
         for share in shares:
             for weights in ("fit", "init"):
@@ -80,7 +81,6 @@ def main(argv: list[str] | None = None) -> int:
         data = tuple(t[:300] for t in data[:2]) + data[2:]
     fmts, shares = (("tucker2",), (0.5,)) if args.smoke else (FORMATS, SHARES)
     runs = [run(seed, epochs, data, fmts, shares) for seed in seeds]
-    dense_params = sum(p.numel() for p in cnn().parameters())
 
     def summary(values: list[float]) -> str:
         return f"{statistics.mean(values):.3f} ({min(values):.3f}-{max(values):.3f})"
@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         before = [r[key][0] for r in runs]
         after = [r[key][1] for r in runs]
         err = runs[0][key][2]
-        params = runs[0][key][3] if len(runs[0][key]) > 3 else dense_params
+        params = runs[0][key][3]
         rows.append((key, f"{params:,}", summary(before), summary(after),
                      "-" if err is None else f"{statistics.mean(r[key][2] for r in runs):.3f}"))
     text = ("# Tensorizing a trained CNN from its weights (digits)\n\n"

@@ -126,12 +126,13 @@ def fit(net: Network, weight: Tensor, *, max_iter: int = 200, tol: float = 1e-7,
     if norm2 == 0:
         return {n: w.new_zeros([sizes[i] for i in ix]) for n, ix in labels.items()}
     problems = {n: _Problem(n, labels, lay, sizes) for n in labels}
+    stds = {c.core: c.std(sizes) for c in core_inits(net, "graph-in")}  # the start's, the scale's
     whole = _expression([list(ix) for ix in labels.values()], list(lay.target), sizes)
     best: tuple[float, dict[str, Tensor]] = (math.inf, {})
     for seed in range(starts):
-        cores, seeded = _start(net, w, problems, seed)
+        cores, seeded = _start(net, w, problems, stds, seed)
         order = [n for n in labels if n not in seeded] + [n for n in labels if n in seeded]
-        best = min(best, _als(net, problems, order, whole, w, cores, max_iter, tol),
+        best = min(best, _als(stds, problems, order, whole, w, cores, max_iter, tol),
                    key=lambda run: run[0])
         if len(labels) - len(seeded) <= 1:
             break  # one random core at most, solved first: another start ends the same
@@ -139,8 +140,8 @@ def fit(net: Network, weight: Tensor, *, max_iter: int = 200, tol: float = 1e-7,
     return {n: _unflipped(net, n, t) for n, t in cores.items()}
 
 
-def _als(net: Network, problems: Mapping[str, "_Problem"], order: Sequence[str], whole,
-         w: Tensor, cores: dict[str, Tensor], sweeps: int, tol: float
+def _als(stds: Mapping[str, float], problems: Mapping[str, "_Problem"], order: Sequence[str],
+         whole, w: Tensor, cores: dict[str, Tensor], sweeps: int, tol: float
          ) -> tuple[float, dict[str, Tensor]]:
     """ALS sweeps over ``order`` with Bro's extrapolation; returns (error, cores)."""
     norm = float(torch.linalg.vector_norm(w))
@@ -160,7 +161,7 @@ def _als(net: Network, problems: Mapping[str, "_Problem"], order: Sequence[str],
             if trial_error < error:
                 cores, error = trial, trial_error
         last = before
-        _balance(net, cores)
+        _balance(stds, cores)
         if error < 1e-13 or previous - error <= tol * error:
             break
         previous = error
@@ -252,12 +253,12 @@ def _expression(terms: list[list], out: list, sizes: Mapping, limit: float = mat
     return opt_einsum.contract_expression(equation, *shapes, optimize=path)
 
 
-def _start(net: Network, w: Tensor, problems: Mapping[str, _Problem], seed: int
-           ) -> tuple[dict[str, Tensor], set[str]]:
+def _start(net: Network, w: Tensor, problems: Mapping[str, _Problem],
+           stds: Mapping[str, float], seed: int) -> tuple[dict[str, Tensor], set[str]]:
     """Starting cores: SVD factors for single-bond cores, a Graph-in draw for the others."""
     gen = torch.Generator().manual_seed(seed)  # the user's global RNG stays untouched
     sizes, cores, seeded = net.sizes, {}, set()
-    for spec, core in zip(core_inits(net, "graph-in"), net.cores):
+    for core in net.cores:
         p = problems[core.name]
         shape = [sizes[i] for i in core.indices]
         if len(p.unknowns) == 1 and not p.shared and not p.ones and p.free:
@@ -270,7 +271,7 @@ def _start(net: Network, w: Tensor, problems: Mapping[str, _Problem], seed: int
             seeded.add(core.name)
         else:
             cores[core.name] = (torch.randn(shape, generator=gen, dtype=torch.float64) *
-                                spec.std(sizes)).to(w.device)
+                                stds[core.name]).to(w.device)
     return cores, seeded
 
 
@@ -283,17 +284,16 @@ def _leading(m: Tensor, rank: int, gen: torch.Generator) -> Tensor:
     return u
 
 
-def _balance(net: Network, cores: dict[str, Tensor]) -> None:
+def _balance(stds: Mapping[str, float], cores: dict[str, Tensor]) -> None:
     """Rescale the cores, their product unchanged, so that their standard deviations keep the
-    proportions Graph-in init gives them."""
-    sizes = net.sizes
+    proportions of ``stds`` (Graph-in's)."""
     logs = {}
-    for spec in core_inits(net, "graph-in"):
-        std = float(cores[spec.core].std()) if cores[spec.core].numel() > 1 else \
-            float(cores[spec.core].abs().sum())
+    for name, init_std in stds.items():
+        core = cores[name]
+        std = float(core.std()) if core.numel() > 1 else float(core.abs().sum())
         if not std > 0 or not math.isfinite(std):
             return
-        logs[spec.core] = math.log(std / spec.std(sizes))
+        logs[name] = math.log(std / init_std)
     mean = sum(logs.values()) / len(logs)
     for name, log in logs.items():
         cores[name] = cores[name] * math.exp(mean - log)
