@@ -160,10 +160,19 @@ def goals(rows: list[dict]) -> str:
 
 def machine() -> str:
     import opt_einsum
-    return (f"{platform.platform()}; {platform.processor() or platform.machine()}; "
+    from tnspec.calibration import _cpu_name
+    return (f"{platform.platform()}; {_cpu_name()}; "
             f"{torch.get_num_threads()} threads; python {platform.python_version()}, torch "
             f"{torch.__version__}, opt_einsum {opt_einsum.__version__}, tnspec "
             f"{tnspec.__version__}")
+
+
+def calibration_text(refresh: bool) -> str:
+    """The planner's cost model on this CPU, as `tnspec calibrate` shows it."""
+    from tnspec import calibration
+    if not calibration.enabled():
+        return "Calibration: off (TNSPEC_CALIBRATE=0): the built-in constants"
+    return "Calibration: " + tnspec.calibrate(refresh=refresh).describe().replace("\n", ";")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -172,9 +181,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--write", action="store_true", help="rewrite RESULTS.md and speed.png")
+    parser.add_argument("--recalibrate", action="store_true",
+                        help="measure the planner's calibration again first (as on a fresh "
+                        "machine; the measured op choices are dropped too)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
+    calibrated = calibration_text(args.recalibrate)
     print(machine())
+    print(calibrated)
     for line in missing():
         print(f"skipped: {line} is not installed")
     if args.smoke:
@@ -200,14 +214,14 @@ def main(argv: list[str] | None = None) -> int:
     failures += bad
     print("\n" + table(rows) + "\n\n" + goals(rows))
     if args.write and not args.smoke:
-        write(rows)
+        write(rows, calibrated)
     if failures:
         print(f"\ncross-check FAILED: {', '.join(failures)}")
         return 1
     return 0
 
 
-def write(rows: list[dict]) -> None:
+def write(rows: list[dict], calibrated: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -225,7 +239,8 @@ def write(rows: list[dict]) -> None:
     text = (HERE / "RESULTS.md").read_text() if (HERE / "RESULTS.md").exists() else ""
     start = "<!-- speed table -->"
     end = "<!-- end speed table -->"
-    block = f"{start}\nMachine: {machine()}\n\n{table(rows)}\n\n{goals(rows)}\n{end}"
+    block = (f"{start}\nMachine: {machine()}\n\n{calibrated}\n\n{table(rows)}\n\n{goals(rows)}"
+             f"\n{end}")
     if start in text:
         text = text[:text.index(start)] + block + text[text.index(end) + len(end):]
     else:

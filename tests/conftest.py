@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import os
+import tempfile
 from pathlib import Path
 
 import pytest
 import torch
+
+# Plans must not depend on the machine the suite runs on: calibration is off (the built-in
+# constants) unless a test turns it on, and no test writes to the user's cache directory.
+os.environ["TNSPEC_CALIBRATE"] = "0"
+os.environ["TNSPEC_CACHE_DIR"] = tempfile.mkdtemp(prefix="tnspec-test-cache-")
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = sorted((ROOT / "examples").glob("*.tn"))

@@ -52,6 +52,7 @@ def test_stages_import_only_what_lies_above_them():
     assert graph["backward"] <= {"ir"}
     assert graph["plan"] <= {"ir", "errors", "cost", "shapes"}  # no check, hence no Lark
     assert graph["shapes"] <= {"ir", "errors"}
+    assert graph["calibration"] <= {"cost"}
     assert "__init__" not in set().union(*(d for m, d in graph.items() if m != "__main__"))
 
 

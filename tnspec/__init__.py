@@ -5,10 +5,11 @@
     >>> net.summary()
     '1 core, 96 parameters (dense 96, 1.0x fewer), 1-D conv'
 
-Stages, one module each, importing only the stages above them: parse (text -> AST), check
-(AST -> ir.Network, with settings), ir (the data model), shapes (sizes and shape binding),
-backward (the reproducing transformation), analysis (backbone graphs), init (how cores are
-drawn), plan (contraction order, each step's op and axis split), lower (typed program), codegen
+Stages, one module each, importing only the stages above them: parse (text -> AST), check (AST
+-> ir.Network, with settings), ir (the data model), shapes (sizes and shape binding), backward
+(the reproducing transformation), analysis (backbone graphs), init (how cores are drawn),
+calibration (the cost model's constants and op choices, measured on the device that runs the
+layer), plan (contraction order, each step's op and axis split), lower (typed program), codegen
 (Python source; ``lines`` breaks its lines), runtime (executes generated source: the one
 executor), report (``explain``), api (entry points) and cli (the ``tnspec`` command); around
 them: formats (named formats as spec text), decompose (a layer's dense weight, and fitting any
@@ -22,6 +23,7 @@ from .analysis import Backbone, backbone
 from .api import Layer, compile, compile_all, contract, generate, layer
 from .audit import Audit, audit
 from .backward import backward
+from .calibration import Calibration, calibrate
 from .convert import merge, tensorize
 from .errors import SpecError
 from .ir import Conv, Index, Network, Options, Role, Tensor
@@ -30,7 +32,8 @@ from .report import explain
 
 
 __all__ = [
-    "Audit", "Backbone", "Conv", "Index", "Layer", "Network", "Options", "Plan", "Role",
-    "SpecError", "Tensor", "__version__", "audit", "backbone", "backward", "compile",
-    "compile_all", "contract", "explain", "formats", "generate", "layer", "merge", "tensorize",
+    "Audit", "Backbone", "Calibration", "Conv", "Index", "Layer", "Network", "Options", "Plan",
+    "Role", "SpecError", "Tensor", "__version__", "audit", "backbone", "backward", "calibrate",
+    "compile", "compile_all", "contract", "explain", "formats", "generate", "layer", "merge",
+    "tensorize",
 ]

@@ -19,7 +19,7 @@ from typing import Any, Mapping, Sequence
 import torch
 from torch import nn
 
-from . import codegen, decompose, runtime
+from . import calibration, codegen, decompose, runtime
 from .check import check, select_layer
 from .codegen import LayerCode, summary_line
 from .errors import SpecError
@@ -108,7 +108,9 @@ def generate(text: str, /, *, names: Sequence[str] | None = None,
     for net in compile_all(text, names=names, sizes=_merge(sizes, more_sizes)):
         net = _with_options(net, init=init)
         bound = bind_shape(net, example_shape(net, shape or {}))
-        the_plan = plan(bound, planner)
+        # planned for the CPU that compiles: the file's most likely runner
+        the_plan = plan(bound, planner, model=calibration.cost_model("cpu", torch.float32),
+                        choose=calibration.chooser("cpu", torch.float32))
         programs.append(LayerCode(net, lower(the_plan), summary_line(the_plan)))
     return codegen.generate(programs, source)
 
@@ -244,11 +246,17 @@ class Layer(nn.Module):
     def plan(self, shape: Sequence[int]) -> Plan:
         """The contraction plan for an input of ``shape`` (print ``.report()`` to see it)."""
         return plan(bind_shape(self.network, tuple(shape)), self.planner,
-                    max_bytes=self.max_bytes, itemsize=self._itemsize())
+                    max_bytes=self.max_bytes, itemsize=self._itemsize(), **self._measured())
 
     def _itemsize(self) -> int:
         first = next(self.parameters(), None)
         return first.element_size() if first is not None else 4
+
+    def _measured(self) -> dict[str, Any]:
+        """The cost model and op chooser of the device and dtype the cores live on."""
+        first = next(self.parameters(), None)
+        where = (first.device, first.dtype) if first is not None else ("cpu", torch.float32)
+        return dict(model=calibration.cost_model(*where), choose=calibration.chooser(*where))
 
     def program(self, shape: Sequence[int]) -> Program:
         """The lowered program for an input of ``shape``."""
@@ -314,7 +322,7 @@ class Layer(nn.Module):
         for name in ("auto", "greedy", "dense-first", "left-to-right"):
             try:
                 candidate = plan(bound, name, max_bytes=self.max_bytes,
-                                 itemsize=self._itemsize())
+                                 itemsize=self._itemsize(), **self._measured())
             except SpecError:
                 if name == "auto":
                     raise  # the layer's own error for this shape
@@ -416,7 +424,9 @@ def contract(spec: str | Network, x: torch.Tensor, /, cores: Mapping[str, torch.
             raise SpecError(f"core {core.name!r} has shape {list(cores[core.name].shape)}, but "
                             f"{core.name}[{', '.join(core.indices)}] is {list(want)}")
     cls = runtime.layer_class(net, plan(bind_shape(net, tuple(x.shape)), planner,
-                                        itemsize=x.element_size()))
+                                        itemsize=x.element_size(),
+                                        model=calibration.cost_model(x.device, x.dtype),
+                                        choose=calibration.chooser(x.device, x.dtype)))
     if bias is not None and not (net.options.bias and bias_shape(net)):
         bias = None  # e.g. a layer's bias, given with its cores to its backward network
     module = SimpleNamespace(sizes=net.sizes, bias=bias, **cores)

@@ -1,4 +1,4 @@
-"""The ``tnspec`` command line: ``check``, ``compile``, ``explain`` and ``draw``.
+"""The ``tnspec`` command line: ``check``, ``compile``, ``explain``, ``draw`` and ``calibrate``.
 
 Exit codes: 0 success, 2 a spec error, unreadable file or usage error (like a compiler),
 1 anything else.
@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from ._version import __version__
+from . import calibration
 from .api import compile, compile_all, generate
 from .report import explain
 from .shapes import example_shape
@@ -32,6 +33,7 @@ EPILOG = """examples:
   tnspec explain examples/htk2.tn --init graph-out
   tnspec check examples/tr_conv.tn --set r=4
   tnspec draw examples/odd.tn -o odd.svg        (SVG, PNG, PDF need Graphviz; .dot does not)
+  tnspec calibrate --refresh                    (measure this CPU again for the planner)
 
 exit codes:
   0  success
@@ -98,7 +100,22 @@ def _parser() -> argparse.ArgumentParser:
                   "override size parameters")
     draw.add_argument("--layer", metavar="NAME", help="the layer (default: the only one)")
     draw.set_defaults(run=_draw)
+
+    cal = sub.add_parser("calibrate", help="show or refresh the planner's measured cost model",
+                         description="Show the cost model the planner uses on a device (measured "
+                         "there on first use, about a second, then read from the cache), and "
+                         f"every cached one. {calibration.ENV_DIR} moves the cache; "
+                         f"{calibration.ENV_SWITCH}=0 makes layers use the built-in constants.")
+    cal.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:1, ...")
+    cal.add_argument("--dtype", default="float32", choices=sorted(_DTYPES),
+                     help="the parameters' dtype (default float32)")
+    cal.add_argument("--refresh", action="store_true", help="measure again and rewrite the cache")
+    cal.set_defaults(run=_calibrate)
     return parser
+
+
+_DTYPES = {"float32": "float32", "float64": "float64", "bfloat16": "bfloat16",
+           "float16": "float16"}
 
 
 def _file_options(parser: argparse.ArgumentParser, output_help: str, set_help: str) -> None:
@@ -183,6 +200,32 @@ def _draw(args: argparse.Namespace) -> int:
     except SpecError as exc:
         return _report(exc, args.file)
     return _emit(args.output, out, args.file)
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    import torch  # here, not at the top: the other commands do not need it loaded this early
+
+    try:
+        device = torch.device(args.device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise RuntimeError("CUDA is not available")
+        if device.type not in ("cpu", "cuda"):
+            raise RuntimeError("only cpu and cuda devices are measured")
+    except RuntimeError as exc:
+        print(f"tnspec calibrate: error: cannot measure device {args.device!r}: {exc}",
+              file=sys.stderr)
+        return EXIT_SPEC
+    found = calibration.calibrate(device, getattr(torch, _DTYPES[args.dtype]),
+                                  refresh=args.refresh)
+    print(f"cache: {calibration.cache_path()}")
+    if not calibration.enabled():
+        print(f"note: {calibration.ENV_SWITCH}=0 is set, so layers plan with the built-in "
+              "constants, not with these")
+    print("in use: " + found.describe())
+    others = [c for c in calibration.cached() if c.key != found.key]
+    for other in others:
+        print("also cached: " + other.describe())
+    return EXIT_OK
 
 
 def _report(exc: SpecError, path: str) -> int:

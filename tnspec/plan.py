@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import chain
 from typing import Callable, Sequence
 
 from opt_einsum.paths import DynamicProgramming, greedy
 
-from .cost import CostModel
+from .cost import Chooser, CostModel, Mixing
 from .errors import SpecError
 from .ir import DEFAULT_MAX_BYTES, MAX_CONV_DIMS, Conv, Network, Role
 from .shapes import guard_bytes
@@ -300,6 +300,24 @@ class Problem:
                       spatial=tuple(spatial))
         return ("conv" if convs else "conv1x1"), split
 
+    def rechoose(self, step: Step, choose: Chooser) -> Step:
+        """``step`` with its op picked by ``choose`` when it is channel mixing that both a 1x1
+        conv and an einsum can run; other steps are returned as they are."""
+        if not step.data_side or step.convs or step.op not in ("conv1x1", "einsum"):
+            return step
+        op, split = self.operation(step.left, step.right, step.result, (), "conv", True)
+        if op != "conv1x1":
+            return step
+        sizes = self.sizes
+
+        def size(indices: tuple[str, ...]) -> int:
+            return math.prod(sizes[i] for i in indices)
+        mixing = Mixing(size(split.batch), size(split.groups), size(split.inputs),
+                        size(split.outputs), tuple(sizes[i] for i in split.spatial))
+        if choose(mixing) == "conv1x1":
+            return replace(step, op="conv1x1", split=split)
+        return replace(step, op="einsum", split=Split())
+
     def fresh_name(self, k: int) -> str:
         """``t<k>`` for the k-th intermediate, never the name of one of the network's tensors
         (a core may be called ``t1``)."""
@@ -425,11 +443,14 @@ def auto(problem: Problem) -> Path:
 
 
 def plan(net: Network, planner: str = "auto", *, max_bytes: int = DEFAULT_MAX_BYTES,
-         itemsize: int = 4, model: CostModel | None = None) -> Plan:
+         itemsize: int = 4, model: CostModel | None = None,
+         choose: Chooser | None = None) -> Plan:
     """Plan the contraction of ``net``, whose sizes must all be bound (see ``bind_shape``).
-    A tensor of the forward pass (the padded input, an intermediate, the output) of more than
-    ``max_bytes`` bytes, at ``itemsize`` bytes per element, is refused before anything is
-    allocated."""
+    ``model`` prices the steps for the search (default: the built-in constants); ``choose``,
+    if given, has the last word on how each channel-mixing step of the chosen order runs
+    (1x1 conv or einsum). A tensor of the forward pass (the padded input, an intermediate, the
+    output) of more than ``max_bytes`` bytes, at ``itemsize`` bytes per element, is refused
+    before anything is allocated."""
     if planner not in PLANNERS:
         raise SpecError(f"unknown planner {planner!r}",
                         hint=f"choose one of {', '.join(sorted(PLANNERS))}")
@@ -442,6 +463,8 @@ def plan(net: Network, planner: str = "auto", *, max_bytes: int = DEFAULT_MAX_BY
             raise SpecError(f"planner {planner!r} gave an order that needs a kernel index "
                             "before its convolution", hint="use planner='auto'")
         steps = replayed
+    if choose is not None:
+        steps = [problem.rechoose(s, choose) for s in steps]
     sizes = net.sizes
     guard_bytes(net, [(_operand(s.result), math.prod(sizes[i] for i in s.result.indices))
                       for s in steps], max_bytes, itemsize)

@@ -9,7 +9,10 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
+import torch
+
 from .analysis import backbone
+from .calibration import chooser, cost_model
 from .init import activation_scale, core_inits
 from .ir import Network, Role
 from .plan import plan
@@ -54,5 +57,7 @@ def explain(net: Network, init: str | None = None, shape: Sequence[int] | None =
                 f"(compression {dense / max(params, 1):.1f}x)"]
     if shape is None:
         shape = [math.prod(sizes.get(i, 32) for i in axis) for axis in net.input.axes]
-    out += ["", plan(bind_shape(net, tuple(shape))).report()]
+    cpu = ("cpu", torch.float32)  # as `tnspec compile` plans
+    out += ["", plan(bind_shape(net, tuple(shape)), model=cost_model(*cpu),
+                     choose=chooser(*cpu)).report()]
     return "\n".join(out)

@@ -1,0 +1,213 @@
+"""Calibration: the cost model fitted to steps timed on this device, kept in a cache file;
+channel-mixing steps run by the op measured faster. No test asserts on a time."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import tnspec
+from tnspec import calibration, runtime
+from tnspec.cost import CostModel, Mixing
+from tnspec.plan import plan
+from tnspec.shapes import bind_shape
+
+TUCKER2 = "x[b, c, h+kh-1, w+kw-1], U[c, r0], G[r0, r1, kh, kw], V[r1, o] -> y[b, o, h, w]"
+SIZES = dict(c=6, o=5, r0=3, r1=2, kh=3, kw=3)
+
+
+@pytest.fixture
+def calibrated(tmp_path, monkeypatch):
+    """Calibration on, with an empty cache of its own; the process's memory forgotten."""
+    monkeypatch.setenv(calibration.ENV_SWITCH, "1")
+    monkeypatch.setenv(calibration.ENV_DIR, str(tmp_path))
+    calibration.forget()
+    yield tmp_path / calibration.FILE_NAME
+    calibration.forget()
+
+
+def test_the_cache_round_trips_and_a_warm_cache_times_nothing(calibrated, monkeypatch):
+    first = tnspec.calibrate()
+    assert calibrated.exists() and first.samples == len(calibration.CONVS) + len(
+        calibration.EINSUMS)
+    assert first.model.conv_rate > 0 and first.model.overhead >= 0 and first.error >= 1
+    assert "float32" in first.key and f"{torch.get_num_threads()} threads" in first.key
+
+    def no_timing(*args, **kwargs):
+        raise AssertionError("a warm cache must not time anything")
+    monkeypatch.setattr(calibration, "measure", no_timing)
+    monkeypatch.setattr(calibration, "time_mixing", no_timing)
+    calibration.forget()
+    again = tnspec.calibrate()
+    assert again == first
+    assert calibration.cost_model() == first.model
+    assert [c.key for c in calibration.cached()] == [first.key]
+
+
+def test_refresh_measures_again_and_drops_the_devices_choices(calibrated, monkeypatch):
+    tnspec.calibrate()
+    monkeypatch.setattr(calibration, "time_mixing",
+                        lambda step, device, dtype: {"conv1x1": 2.0, "einsum": 1.0})
+    choose = calibration.chooser()
+    assert choose(Mixing(4, 1, 8, 8, (16, 16))) == "einsum"
+    assert json.loads(calibrated.read_text())["choices"]
+    tnspec.calibrate(refresh=True)
+    assert json.loads(calibrated.read_text())["choices"] == {}
+
+
+def test_opting_out_uses_the_built_in_constants_and_writes_nothing(tmp_path, monkeypatch):
+    monkeypatch.setenv(calibration.ENV_SWITCH, "0")
+    monkeypatch.setenv(calibration.ENV_DIR, str(tmp_path))
+    calibration.forget()
+    layer = tnspec.layer(TUCKER2, **SIZES)
+    layer(torch.randn(2, 6, 8, 8))
+    assert calibration.cost_model() == CostModel()
+    assert calibration.cost_model(dtype=torch.float64).scale == 2.0
+    assert calibration.chooser() is None
+    assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("content", ["{not json", '{"format": 1, "devices": {"k": 3}}',
+                                     '{"format": 1, "devices": {}, "choices": '
+                                     '{"k": {"op": "bmm", "seconds": {}}}}', "[1, 2]"])
+def test_a_corrupt_cache_is_ignored_with_a_warning_and_rebuilt(calibrated, content):
+    calibrated.write_text(content)
+    with pytest.warns(UserWarning, match="corrupt calibration cache .*measured again"):
+        found = tnspec.calibrate()
+    data = json.loads(calibrated.read_text())
+    assert data["format"] == calibration.FORMAT and found.key in data["devices"]
+
+
+def test_an_older_format_is_measured_again_silently(calibrated, recwarn):
+    calibrated.write_text(json.dumps({"format": 0, "devices": {"x": {}}}))
+    tnspec.calibrate()
+    assert json.loads(calibrated.read_text())["format"] == calibration.FORMAT
+    assert not [w for w in recwarn if "calibration" in str(w.message)]
+
+
+def test_an_unwritable_cache_warns_and_keeps_the_calibration_in_memory(tmp_path, monkeypatch):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv(calibration.ENV_SWITCH, "1")
+    monkeypatch.setenv(calibration.ENV_DIR, str(blocker / "sub"))  # a file is in the way
+    calibration.forget()
+    with pytest.warns(UserWarning, match="cannot write the calibration cache"):
+        model = calibration.cost_model()
+    assert model.conv_rate > 0
+    calibration.forget()
+
+
+@pytest.mark.parametrize("context", ["no_grad", "inference_mode", "frozen"])
+def test_measuring_leaves_rng_grad_mode_and_frozen_cores_alone(calibrated, context):
+    torch.manual_seed(0)
+    layer = tnspec.layer(TUCKER2, **SIZES)
+    x = torch.randn(3, 6, 10, 10)
+    if context == "frozen":
+        layer.requires_grad_(False)
+    state = torch.get_rng_state()
+    mode = {"no_grad": torch.no_grad, "inference_mode": torch.inference_mode}.get(
+        context, torch.enable_grad)
+    with mode():
+        y = layer(x)
+    assert torch.equal(torch.get_rng_state(), state)
+    assert json.loads(calibrated.read_text())["devices"]  # it did measure
+    expected = F.conv2d(x, layer.dense_weight().detach(), padding=layer.padding)
+    torch.testing.assert_close(y.detach(), expected, rtol=1e-4, atol=1e-5)
+    assert y.requires_grad is (context not in ("no_grad", "inference_mode", "frozen"))
+
+
+def test_the_chooser_decides_channel_mixing_and_both_ops_compute_the_same():
+    sizes = dict(c=16, o=12, r0=4, r1=3, kh=3, kw=3)
+    net = bind_shape(tnspec.compile(TUCKER2, **sizes), (8, 16, 12, 12))
+    seen = []
+
+    def choose(step: Mixing) -> str:
+        seen.append(step)
+        return "einsum"
+    as_einsum = plan(net, choose=choose)
+    as_conv = plan(net, choose=lambda step: "conv1x1")
+    assert [s.op for s in as_einsum.steps] == ["einsum", "conv", "einsum"]
+    assert [s.op for s in as_conv.steps] == ["conv1x1", "conv", "conv1x1"]
+    assert seen == [Mixing(8, 1, 16, 4, (12, 12)), Mixing(8, 1, 3, 12, (12, 12))]
+    layer = tnspec.layer(TUCKER2, **sizes)
+    cores = {k: v.detach() for k, v in layer.named_parameters() if k != "bias"}
+    x = torch.randn(8, 16, 12, 12)
+    expected = F.conv2d(x, layer.dense_weight().detach(), padding=layer.padding)
+    for p in (as_einsum, as_conv):
+        module = SimpleNamespace(sizes=p.network.sizes, bias=None, **cores)
+        y = runtime.layer_class(p.network, p).forward(module, x)
+        torch.testing.assert_close(y, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_a_measured_choice_is_kept_and_a_nearby_batch_is_not_timed_again(
+        calibrated, monkeypatch):
+    timed = []
+
+    def fake(step, device, dtype):
+        timed.append(step)
+        return {"conv1x1": 1.0, "einsum": 3.0}
+    monkeypatch.setattr(calibration, "time_mixing", fake)
+    layer = tnspec.layer(TUCKER2, c=64, o=64, r0=4, r1=4, kh=3, kw=3)
+    before = len(timed)  # construction planned (and timed) the example shape
+    layer(torch.randn(32, 64, 10, 10))
+    mixing = [s.op for s in layer.plan((32, 64, 10, 10)).steps if s.data_side and not s.convs]
+    count = len(timed)
+    assert count - before == len(mixing) >= 1 and set(mixing) == {"conv1x1"}
+    assert {s.batch for s in timed} == {32}
+    layer(torch.randn(30, 64, 10, 10))  # the same size class: planned, but nothing timed
+    assert len(timed) == count
+    calibration.forget()  # a new process reads the choices from the file
+    layer(torch.randn(33, 64, 10, 10))
+    assert len(timed) == count
+    choices = json.loads(calibrated.read_text())["choices"]
+    assert len(choices) == count and all(c["op"] == "conv1x1" for c in choices.values())
+
+
+def test_a_choice_is_timed_at_a_capped_batch():
+    big = Mixing(4096, 1, 512, 512, (128, 128))
+    assert calibration._batch_class(big) == 1
+    assert calibration._batch_class(Mixing(48, 1, 8, 8, (8, 8))) == 64
+    assert calibration._batch_class(Mixing(40, 1, 8, 8, (8, 8))) == 32
+
+
+def test_time_mixing_times_both_ops_on_small_sizes():
+    seconds = calibration.time_mixing(Mixing(2, 2, 3, 4, (5,)), "cpu", torch.float64)
+    assert set(seconds) == {"conv1x1", "einsum"} and all(t > 0 for t in seconds.values())
+
+
+def test_the_fit_recovers_a_known_model():
+    truth = CostModel(conv_rate=1e11, einsum_rate=3e10, channels=4, bandwidth=2e9,
+                      overhead=5e-5, grouped=1.5, einsum_bandwidth=1e9)
+    samples = []
+    for n, g, cin, cout, side, k in calibration.CONVS:
+        s = calibration.Sample("conv", n, g, cin, cout, side * side, k * k, 0.0)
+        samples.append(calibration.Sample(**{**s.__dict__, "seconds": s.predicted(truth)}))
+    for n, cin, cout, pos in calibration.EINSUMS:
+        s = calibration.Sample("einsum", n, 1, cin, cout, pos, 1, 0.0)
+        samples.append(calibration.Sample(**{**s.__dict__, "seconds": s.predicted(truth)}))
+    model, error = calibration.fit(samples)
+    assert error == pytest.approx(1.0, abs=1e-6)
+    for attr in ("conv_rate", "einsum_rate", "bandwidth", "einsum_bandwidth", "overhead"):
+        assert math.isclose(getattr(model, attr), getattr(truth, attr), rel_tol=1e-6), attr
+    assert (model.channels, model.grouped) == (4, 1.5)
+
+
+def test_the_cli_shows_and_refreshes_the_cache(calibrated):
+    env_run = [sys.executable, "-m", "tnspec", "calibrate"]
+    import os
+    env = {**os.environ}
+    out = subprocess.run(env_run + ["--refresh"], capture_output=True, text=True, env=env,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert str(calibrated) in out.stdout and "MAC/s" in out.stdout
+    bad = subprocess.run(env_run + ["--device", "tpu"], capture_output=True, text=True,
+                         env=env, timeout=300)
+    assert bad.returncode == 2
+    assert "cannot measure device 'tpu'" in bad.stderr
