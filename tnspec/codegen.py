@@ -284,8 +284,10 @@ def statement(node: Node, indent: str) -> list[str]:
         noted = [f"{head}  # {node.comment}"]
         if len(noted[0]) > WIDTH:
             noted = comment(node.comment, indent) + [head]
+        # .to: under autocast the contraction runs in lower precision and, as nn.Conv2d's
+        # output, so does the sum (a no-op otherwise)
         return noted + wrap_line(f"{indent}{INDENT}{node.out} = {node.var} + "
-                                 f"self.bias.reshape({shape})")
+                                 f"self.bias.reshape({shape}).to({node.var}.dtype)")
     raise TypeError(f"codegen cannot print {type(node).__name__}")  # pragma: no cover
 
 
