@@ -141,7 +141,26 @@ def test_autotune_keeps_a_correct_candidate():
     module = tnspec.layer(text, autotune=True, **sizes)
     x = torch.randn(2, *shape)
     compare(module, x)
-    assert tuple(x.shape) in module._classes  # timed once, then cached
+    assert module._size_class(tuple(x.shape)) in module._classes  # timed once, then cached
+
+
+def test_a_new_batch_size_in_the_same_class_is_not_planned_again_and_the_cache_is_bounded(
+        monkeypatch):
+    text, sizes, shape = spec("tucker2", 2, 1, "same", 1)
+    module = tnspec.layer(text, **sizes)
+    planned = []
+    real = tnspec.api.plan
+    monkeypatch.setattr(tnspec.api, "plan", lambda *a, **k: planned.append(a[0]) or real(*a, **k))
+    for batch in (32, 30, 24, 33, 45):  # one class: nearest power of two is 32
+        compare(module, torch.randn(batch, *shape))
+    assert len(planned) == 1
+    compare(module, torch.randn(2, *shape))
+    assert len(planned) == 2
+    module.plan_cache_size = 3
+    for side in range(5, 10):  # new spatial sizes are new plans, the oldest dropped
+        module(torch.randn(2, shape[0], side, side))
+    assert len(module._classes) == 3
+    assert list(module._classes)[-1] == (2, shape[0], 9, 9)
 
 
 @pytest.mark.parametrize("context", ["plain", "no_grad", "inference_mode", "frozen"])

@@ -23,7 +23,7 @@ from . import calibration, codegen, decompose, runtime
 from .check import check, select_layer
 from .codegen import LayerCode, summary_line
 from .errors import SpecError
-from .ir import DEFAULT_MAX_BYTES, DEFAULT_MAX_ELEMENTS, Network
+from .ir import DEFAULT_MAX_BYTES, DEFAULT_MAX_ELEMENTS, Network, Role
 from .lower import Program, bias_shape, lower
 from .parse import parse
 from .plan import PLANNERS, Plan, plan
@@ -183,8 +183,8 @@ class Layer(nn.Module):
 
     Attributes: ``spec`` (the canonical expression), ``sizes`` (every bound index size),
     ``network`` (the IR). ``forward`` runs the generated code of the plan for the input's shape
-    (planned once per shape; the last ``plan_cache_size`` shapes are kept);
-    :meth:`source` shows that code.
+    (planned once per shape, batch sizes within a factor of two sharing a plan; the last
+    ``plan_cache_size`` are kept, settable per layer); :meth:`source` shows that code.
     """
 
     plan_cache_size = 64
@@ -299,16 +299,28 @@ class Layer(nn.Module):
         return runtime.source_of(self._class(tuple(int(n) for n in shape)).forward)
 
     def _class(self, shape: tuple[int, ...]) -> type:
-        """The generated class for ``shape`` (planned once, then cached)."""
+        """The generated class for ``shape``, planned once per size class, then cached (least
+        recently used first out beyond ``plan_cache_size``). Batch sizes within a factor of
+        two share a class (``1, 2, 3-5, 6-11, ...``, rounding to the nearest power of two): any
+        plan computes any shape, and a smaller last batch is not worth planning again."""
+        key = self._size_class(shape)
         classes = self._classes
-        if shape in classes:
-            classes.move_to_end(shape)
-            return classes[shape]
+        if key in classes:
+            classes.move_to_end(key)
+            return classes[key]
         cls = self._fastest(shape) if self.autotune else self._planned(shape)
-        classes[shape] = cls
+        classes[key] = cls
         while len(classes) > self.plan_cache_size:
             classes.popitem(last=False)
         return cls
+
+    def _size_class(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        axes = self.network.input.axes
+        if not shape or not axes or not all(self.network.index(i).role is Role.BATCH
+                                            for i in axes[0]):
+            return shape
+        batch = shape[0]
+        return (1 << round(math.log2(batch)) if batch > 0 else 0, *shape[1:])
 
     def _planned(self, shape: tuple[int, ...]) -> type:
         return runtime.layer_class(self.network, self.plan(shape))
