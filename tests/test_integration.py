@@ -103,6 +103,21 @@ def test_torch_compile_with_dynamic_shapes():
                           atol=1e-5)
 
 
+def test_default_torch_compile_of_inline_layers_across_spatial_and_batch_sizes():
+    """Default torch.compile (Inductor, shapes made dynamic on the second size) of a model of
+    inline layers, with eager calls in between (which re-plan), equals eager at every size."""
+    torch._dynamo.reset()
+    spec = "x[b, c, h+kh-1, w+kw-1], U[c, r0], G[r0, r1, kh, kw], V[r1, o] -> y[b, o, h, w]"
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(tnspec.layer(spec, c=8, o=8, r0=3, r1=3, kh=3, kw=3),
+                                torch.nn.ReLU(),
+                                tnspec.layer(spec, c=8, o=8, r0=3, r1=3, kh=3, kw=3))
+    compiled = torch.compile(model)
+    for shape in ((2, 8, 16, 16), (2, 8, 12, 12), (3, 8, 20, 20), (5, 8, 9, 7)):
+        x = torch.randn(shape)
+        torch.testing.assert_close(compiled(x), model(x), rtol=1e-4, atol=1e-5)
+
+
 def test_torch_export_inline_and_generated(tmp_path):
     x = torch.randn(2, 64, 8, 8)
     for module in (make(), generated(tmp_path)):

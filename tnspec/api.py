@@ -26,7 +26,7 @@ from .errors import SpecError
 from .ir import DEFAULT_MAX_BYTES, DEFAULT_MAX_ELEMENTS, Network, Role
 from .lower import Program, bias_shape, lower
 from .parse import parse
-from .plan import PLANNERS, Plan, plan
+from .plan import PLANNERS, Plan, plan, with_ops
 from .settings import option_value, positive_int
 from .shapes import bind_shape, example_shape, geometry, nn_attributes
 
@@ -221,17 +221,20 @@ class Layer(nn.Module):
     def _drop_code(self) -> None:
         """Forget the loaded code, and load it for the example shape (the default sizes,
         32 for the others), so that a layer compiled before any eager call has code to run."""
-        self._classes: OrderedDict[tuple[int, ...], type] = OrderedDict()
+        self._classes: OrderedDict[tuple[int, ...], tuple[type, type]] = OrderedDict()
         self._last_class: type | None = None
+        self._last_compilable: type | None = None
         self._last_shape: torch.Size | None = None
         try:  # planned, not autotuned; errors are the forward's to raise, for its input
-            self._last_class = self._planned(example_shape(self.network, {}))
+            self._last_class, self._last_compilable = self._planned(
+                example_shape(self.network, {}))
         except SpecError:
             pass
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()  # generated classes are rebuilt, not pickled
         del state["_classes"], state["_last_class"], state["_last_shape"]
+        del state["_last_compilable"]
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -296,13 +299,14 @@ class Layer(nn.Module):
     def source(self, shape: Sequence[int]) -> str:
         """The generated module whose ``forward`` this layer runs for an input of ``shape``:
         the text ``tnspec compile`` writes for that plan."""
-        return runtime.source_of(self._class(tuple(int(n) for n in shape)).forward)
+        return runtime.source_of(self._class(tuple(int(n) for n in shape))[0].forward)
 
-    def _class(self, shape: tuple[int, ...]) -> type:
+    def _class(self, shape: tuple[int, ...]) -> tuple[type, type]:
         """The generated class for ``shape``, planned once per size class, then cached (least
         recently used first out beyond ``plan_cache_size``). Batch sizes within a factor of
         two share a class (``1, 2, 3-5, 6-11, ...``, rounding to the nearest power of two): any
-        plan computes any shape, and a smaller last batch is not worth planning again."""
+        plan computes any shape, and a smaller last batch is not worth planning again.
+        Returns the class eager calls run and the one ``torch.compile`` traces."""
         key = self._size_class(shape)
         classes = self._classes
         if key in classes:
@@ -322,15 +326,26 @@ class Layer(nn.Module):
         batch = shape[0]
         return (1 << round(math.log2(batch)) if batch > 0 else 0, *shape[1:])
 
-    def _planned(self, shape: tuple[int, ...]) -> type:
-        return runtime.layer_class(self.network, self.plan(shape))
+    def _planned(self, shape: tuple[int, ...]) -> tuple[type, type]:
+        return self._loaded(self.plan(shape))
 
-    def _fastest(self, shape: tuple[int, ...], repeats: int = 3) -> type:
+    def _loaded(self, the_plan: Plan) -> tuple[type, type]:
+        """The generated class of ``the_plan``, and the one for ``torch.compile``: the same
+        order with its channel mixing as 1x1 convolutions. Inductor fails on the strided
+        result of an einsum over the data once shapes are dynamic ("cannot determine truth
+        value of Relational"), which a convolution's contiguous result avoids."""
+        cls = runtime.layer_class(self.network, the_plan)
+        compilable = with_ops(the_plan, lambda step: "conv1x1")
+        if compilable.steps == the_plan.steps:
+            return cls, cls
+        return cls, runtime.layer_class(self.network, compilable)
+
+    def _fastest(self, shape: tuple[int, ...], repeats: int = 3) -> tuple[type, type]:
         """Time every distinct candidate order (forward and backward) and keep the fastest.
         Uses its own random generator and gradients, so that the global RNG, ``no_grad``,
         ``inference_mode`` and frozen cores are left as they are."""
         bound = bind_shape(self.network, shape)
-        candidates: dict[tuple, type] = {}
+        candidates: dict[tuple, tuple[type, type]] = {}
         for name in ("auto", "greedy", "dense-first", "left-to-right"):
             try:
                 candidate = plan(bound, name, max_bytes=self.max_bytes,
@@ -341,15 +356,16 @@ class Layer(nn.Module):
                 continue
             key = tuple((s.left.indices, s.right.indices, s.op) for s in candidate.steps)
             if key not in candidates:
-                candidates[key] = runtime.layer_class(self.network, candidate)
+                candidates[key] = self._loaded(candidate)
         first = next(iter(self.parameters()))
         gen = torch.Generator(device=first.device).manual_seed(0)
-        best: tuple[float, type] | None = None
+        best: tuple[float, tuple[type, type]] | None = None
         with torch.inference_mode(False), torch.enable_grad():
             x = torch.randn(shape, dtype=first.dtype, device=first.device, generator=gen,
                             requires_grad=True)
             inputs = [x] + [p for p in self.parameters() if p.requires_grad]
-            for cls in candidates.values():
+            for pair in candidates.values():
+                cls = pair[0]
                 times = []
                 for _ in range(repeats + 1):
                     start = time.perf_counter()
@@ -360,7 +376,7 @@ class Layer(nn.Module):
                     times.append(time.perf_counter() - start)
                 seconds = sorted(times[1:])[len(times[1:]) // 2]
                 if best is None or seconds < best[0]:
-                    best = (seconds, cls)
+                    best = (seconds, pair)
         assert best is not None, "the auto planner always gives a candidate"
         return best[1]
 
@@ -369,8 +385,8 @@ class Layer(nn.Module):
             if _is_compiling():
                 # planning is plain Python that dynamo should not trace: a compiled layer runs
                 # the code planned for the last shape seen eagerly, or at construction for the
-                # example shape (any plan computes any shape)
-                cls = self._last_class
+                # example shape (any plan computes any shape), as its compilable variant
+                cls = self._last_compilable
                 if cls is None:
                     raise SpecError("this layer has no plan to compile: call it once eagerly "
                                     "(its example shape cannot be planned)")
@@ -380,9 +396,10 @@ class Layer(nn.Module):
                 shape = tuple(x.shape)
                 if len(shape) == self._unbatched_dims:  # planned as a batch of one
                     shape = (1, *shape)
-                cls = self._class(shape)  # also keeps the cache's order LRU
+                cls, compilable = self._class(shape)  # also keeps the cache's order LRU
                 # not through nn.Module.__setattr__, which is slow
-                self.__dict__.update(_last_class=cls, _last_shape=x.shape)
+                self.__dict__.update(_last_class=cls, _last_compilable=compilable,
+                                     _last_shape=x.shape)
             return cls.forward(self, x)
         except AttributeError:
             if isinstance(x, torch.Tensor):
