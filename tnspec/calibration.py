@@ -276,39 +276,53 @@ EINSUMS = [(16, 96, 10, 1024), (16, 10, 96, 1024), (32, 64, 64, 256), (8, 16, 16
            (8, 2, 2, 64), (256, 64, 64, 1), (64, 8, 64, 16)]
 
 
-def measure(device: torch.device | str, dtype: torch.dtype, repeats: int = 5) -> list[Sample]:
-    """Time the fixed set of steps, forward and backward: ``repeats`` rounds over all of them
-    (so that a busy spell of the machine hits every step alike), fastest round per step."""
-    device = torch.device(device)
-    gen = torch.Generator(device=device).manual_seed(0)
-    runs: list[tuple[Sample, Callable[[], None]]] = []
+class _Bench:
+    """Random inputs from its own generator and interleaved timing rounds, forward and
+    backward, on one device and dtype (the global RNG and grad mode are left alone)."""
 
-    def rand(*shape: int) -> torch.Tensor:
-        return torch.randn(shape, generator=gen, device=device, dtype=dtype,
+    def __init__(self, device: torch.device | str, dtype: torch.dtype) -> None:
+        self.device, self.dtype = torch.device(device), dtype
+        self.gen = torch.Generator(device=self.device).manual_seed(0)
+
+    def rand(self, *shape: int) -> torch.Tensor:
+        return torch.randn(shape, generator=self.gen, device=self.device, dtype=self.dtype,
                            requires_grad=True)
 
+    @staticmethod
     def step(fn: Callable[..., torch.Tensor], *inputs: torch.Tensor) -> Callable[[], None]:
         def run() -> None:
             y = fn(*inputs)
             torch.autograd.grad(y, inputs, torch.ones_like(y))
         return run
 
+    def rounds(self, runs: list[Callable[[], None]], repeats: int) -> list[list[float]]:
+        """Seconds of each run in each of ``repeats`` rounds over all of them (after one
+        warm-up round), so that a busy spell of the machine hits every run alike."""
+        times: list[list[float]] = [[] for _ in runs]
+        for rep in range(repeats + 1):
+            for j, run in enumerate(runs):
+                seconds = _timed(run, self.device)
+                if rep:
+                    times[j].append(seconds)
+        return times
+
+
+def measure(device: torch.device | str, dtype: torch.dtype, repeats: int = 5) -> list[Sample]:
+    """Time the fixed set of steps, forward and backward; the fastest round per step."""
+    bench = _Bench(device, dtype)
+    rand, step = bench.rand, bench.step
+    samples, runs = [], []
     with torch.inference_mode(False), torch.enable_grad():
         for n, g, cin, cout, side, k in CONVS:
-            conv = step(lambda x, w, g=g, k=k: F.conv2d(x, w, padding=k // 2, groups=g),
-                        rand(n, g * cin, side, side), rand(g * cout, cin, k, k))
-            runs.append((Sample("conv", n, g, cin, cout, side * side, k * k, 0.0), conv))
+            runs.append(step(lambda x, w, g=g, k=k: F.conv2d(x, w, padding=k // 2, groups=g),
+                             rand(n, g * cin, side, side), rand(g * cout, cin, k, k)))
+            samples.append(Sample("conv", n, g, cin, cout, side * side, k * k, 0.0))
         for n, cin, cout, s in EINSUMS:
-            mix = step(lambda x, w: torch.einsum("oc,bcs->bos", w, x), rand(n, cin, s),
-                       rand(cout, cin))
-            runs.append((Sample("einsum", n, 1, cin, cout, s, 1, 0.0), mix))
-        best = [math.inf] * len(runs)
-        for rep in range(repeats + 1):  # the first round warms up
-            for j, (_, run) in enumerate(runs):
-                seconds = _timed(run, device)
-                if rep:
-                    best[j] = min(best[j], seconds)
-    return [replace(sample, seconds=t) for (sample, _), t in zip(runs, best)]
+            runs.append(step(lambda x, w: torch.einsum("oc,bcs->bos", w, x), rand(n, cin, s),
+                             rand(cout, cin)))
+            samples.append(Sample("einsum", n, 1, cin, cout, s, 1, 0.0))
+        times = bench.rounds(runs, repeats)
+    return [replace(sample, seconds=min(t)) for sample, t in zip(samples, times)]
 
 
 #: a channel-mixing step is timed at a batch of at most this many elements per operand side
@@ -329,35 +343,16 @@ def time_mixing(step: Mixing, device: torch.device | str, dtype: torch.dtype,
                 repeats: int = 5) -> dict[str, float]:
     """Seconds, forward and backward, of ``step`` as a grouped 1x1 convolution and as an
     einsum, each laid out as lowering emits it (median of interleaved repetitions)."""
-    device = torch.device(device)
-    gen = torch.Generator(device=device).manual_seed(0)
+    bench = _Bench(device, dtype)
     b, g, cin, cout, spatial = step.batch, step.groups, step.inputs, step.outputs, step.spatial
     conv = getattr(F, f"conv{len(spatial)}d")
-
-    def rand(*shape: int) -> torch.Tensor:
-        return torch.randn(shape, generator=gen, device=device, dtype=dtype,
-                           requires_grad=True)
-
-    def step_of(fn: Callable[..., torch.Tensor], *inputs: torch.Tensor) -> Callable[[], None]:
-        def run() -> None:
-            y = fn(*inputs)
-            torch.autograd.grad(y, inputs, torch.ones_like(y))
-        return run
-
     with torch.inference_mode(False), torch.enable_grad():
-        runs = {
-            "conv1x1": step_of(lambda x, w: conv(x, w, groups=g), rand(b, g * cin, *spatial),
-                               rand(g * cout, cin, *(1,) * len(spatial))),
-            "einsum": step_of(lambda x, w: torch.einsum("bgcs,gco->bgos", x, w),
-                              rand(b, g, cin, math.prod(spatial)), rand(g, cin, cout)),
-        }
-        times: dict[str, list[float]] = {op: [] for op in runs}
-        for rep in range(repeats + 1):  # the first round warms up
-            for op, run in runs.items():
-                seconds = _timed(run, device)
-                if rep:
-                    times[op].append(seconds)
-    return {op: sorted(t)[len(t) // 2] for op, t in times.items()}
+        runs = [bench.step(lambda x, w: conv(x, w, groups=g), bench.rand(b, g * cin, *spatial),
+                           bench.rand(g * cout, cin, *(1,) * len(spatial))),
+                bench.step(lambda x, w: torch.einsum("bgcs,gco->bgos", x, w),
+                           bench.rand(b, g, cin, math.prod(spatial)), bench.rand(g, cin, cout))]
+        times = bench.rounds(runs, repeats)
+    return {op: sorted(t)[len(t) // 2] for op, t in zip(("conv1x1", "einsum"), times)}
 
 
 def _timed(run: Callable[[], None], device: torch.device) -> float:
