@@ -118,6 +118,20 @@ def test_default_torch_compile_of_inline_layers_across_spatial_and_batch_sizes()
         torch.testing.assert_close(compiled(x), model(x), rtol=1e-4, atol=1e-5)
 
 
+def test_the_compile_plan_is_a_dynamo_constant_and_not_made_at_construction():
+    """The compile path plans at trace time, as a constant: tnspec marks the function the way
+    torch._dynamo.assume_constant_result does (without importing dynamo), so this checks that
+    the decorator still sets exactly that mark."""
+    def probe():
+        pass
+    before = set(vars(probe))
+    torch._dynamo.assume_constant_result(probe)
+    marks = set(vars(probe)) - before
+    assert marks == {"_dynamo_marked_constant"}
+    assert all(getattr(tnspec.api._compilable_key, m) for m in marks)
+    assert tnspec.layer(TEXT, c=8)._classes == {}  # building planned nothing
+
+
 def test_torch_export_inline_and_generated(tmp_path):
     x = torch.randn(2, 64, 8, 8)
     for module in (make(), generated(tmp_path)):

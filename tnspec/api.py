@@ -26,7 +26,8 @@ from .errors import SpecError
 from .ir import DEFAULT_MAX_BYTES, DEFAULT_MAX_ELEMENTS, Network, Role
 from .lower import Program, bias_shape, lower
 from .parse import parse
-from .plan import PLANNERS, Plan, plan, with_ops
+from .calibration import size_class
+from .plan import PLANNERS, Plan, plan
 from .settings import option_value, positive_int
 from .shapes import bind_shape, example_shape, geometry, nn_attributes
 
@@ -213,28 +214,23 @@ class Layer(nn.Module):
             self.register_parameter("bias", None)
         geo = geometry(network)
         self._unbatched_dims = len(network.input.axes) - 1 if geo else -1
+        axes = network.input.axes
+        self._batch_first = bool(axes) and all(network.index(i).role is Role.BATCH
+                                               for i in axes[0])
         if geo is not None:  # in_channels, kernel_size, ... as nn.Conv2d / nn.Linear have
             self.__dict__.update(nn_attributes(geo, self.sizes.__getitem__))
         self._drop_code()
         self.reset_parameters()
 
     def _drop_code(self) -> None:
-        """Forget the loaded code, and load it for the example shape (the default sizes,
-        32 for the others), so that a layer compiled before any eager call has code to run."""
-        self._classes: OrderedDict[tuple[int, ...], tuple[type, type]] = OrderedDict()
+        """Forget the loaded code (it is planned again on the next call)."""
+        self._classes: OrderedDict[tuple[int, ...], type] = OrderedDict()
         self._last_class: type | None = None
-        self._last_compilable: type | None = None
         self._last_shape: torch.Size | None = None
-        try:  # planned, not autotuned; errors are the forward's to raise, for its input
-            self._last_class, self._last_compilable = self._planned(
-                example_shape(self.network, {}))
-        except SpecError:
-            pass
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()  # generated classes are rebuilt, not pickled
         del state["_classes"], state["_last_class"], state["_last_shape"]
-        del state["_last_compilable"]
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -299,15 +295,14 @@ class Layer(nn.Module):
     def source(self, shape: Sequence[int]) -> str:
         """The generated module whose ``forward`` this layer runs for an input of ``shape``:
         the text ``tnspec compile`` writes for that plan."""
-        return runtime.source_of(self._class(tuple(int(n) for n in shape))[0].forward)
+        return runtime.source_of(self._class(tuple(int(n) for n in shape)).forward)
 
-    def _class(self, shape: tuple[int, ...]) -> tuple[type, type]:
+    def _class(self, shape: tuple[int, ...]) -> type:
         """The generated class for ``shape``, planned once per size class, then cached (least
         recently used first out beyond ``plan_cache_size``). Batch sizes within a factor of
-        two share a class (``1, 2, 3-5, 6-11, ...``, rounding to the nearest power of two): any
-        plan computes any shape, and a smaller last batch is not worth planning again.
-        Returns the class eager calls run and the one ``torch.compile`` traces."""
-        key = self._size_class(shape)
+        two share a class (see :func:`~tnspec.calibration.size_class`): any plan computes any
+        shape, and a smaller last batch is not worth planning again."""
+        key = (size_class(shape[0]), *shape[1:]) if self._batch_first and shape else shape
         classes = self._classes
         if key in classes:
             classes.move_to_end(key)
@@ -318,34 +313,29 @@ class Layer(nn.Module):
             classes.popitem(last=False)
         return cls
 
-    def _size_class(self, shape: tuple[int, ...]) -> tuple[int, ...]:
-        axes = self.network.input.axes
-        if not shape or not axes or not all(self.network.index(i).role is Role.BATCH
-                                            for i in axes[0]):
-            return shape
-        batch = shape[0]
-        return (1 << round(math.log2(batch)) if batch > 0 else 0, *shape[1:])
+    def _planned(self, shape: tuple[int, ...]) -> type:
+        return runtime.layer_class(self.network, self.plan(shape))
 
-    def _planned(self, shape: tuple[int, ...]) -> tuple[type, type]:
-        return self._loaded(self.plan(shape))
+    def _compilable_class(self) -> type:
+        """The class a ``torch.compile``-d call traces: the plan of the last shape seen eagerly
+        (or of the example shape: the default sizes, 32 for the others) with its channel
+        mixing as 1x1 convolutions. Inductor fails on the strided result of an einsum over the
+        data once shapes are dynamic ("cannot determine truth value of Relational"), which a
+        convolution's contiguous result avoids. Any plan computes any shape."""
+        shape = tuple(self._last_shape or example_shape(self.network, {}))
+        if len(shape) == self._unbatched_dims:
+            shape = (1, *shape)
+        the_plan = plan(bind_shape(self.network, shape), self.planner, max_bytes=self.max_bytes,
+                        itemsize=self._itemsize(), model=self._measured()["model"],
+                        choose=lambda step: "conv1x1")
+        return runtime.layer_class(self.network, the_plan)
 
-    def _loaded(self, the_plan: Plan) -> tuple[type, type]:
-        """The generated class of ``the_plan``, and the one for ``torch.compile``: the same
-        order with its channel mixing as 1x1 convolutions. Inductor fails on the strided
-        result of an einsum over the data once shapes are dynamic ("cannot determine truth
-        value of Relational"), which a convolution's contiguous result avoids."""
-        cls = runtime.layer_class(self.network, the_plan)
-        compilable = with_ops(the_plan, lambda step: "conv1x1")
-        if compilable.steps == the_plan.steps:
-            return cls, cls
-        return cls, runtime.layer_class(self.network, compilable)
-
-    def _fastest(self, shape: tuple[int, ...], repeats: int = 3) -> tuple[type, type]:
+    def _fastest(self, shape: tuple[int, ...], repeats: int = 3) -> type:
         """Time every distinct candidate order (forward and backward) and keep the fastest.
         Uses its own random generator and gradients, so that the global RNG, ``no_grad``,
         ``inference_mode`` and frozen cores are left as they are."""
         bound = bind_shape(self.network, shape)
-        candidates: dict[tuple, tuple[type, type]] = {}
+        candidates: dict[tuple, type] = {}
         for name in ("auto", "greedy", "dense-first", "left-to-right"):
             try:
                 candidate = plan(bound, name, max_bytes=self.max_bytes,
@@ -356,16 +346,15 @@ class Layer(nn.Module):
                 continue
             key = tuple((s.left.indices, s.right.indices, s.op) for s in candidate.steps)
             if key not in candidates:
-                candidates[key] = self._loaded(candidate)
+                candidates[key] = runtime.layer_class(self.network, candidate)
         first = next(iter(self.parameters()))
         gen = torch.Generator(device=first.device).manual_seed(0)
-        best: tuple[float, tuple[type, type]] | None = None
+        best: tuple[float, type] | None = None
         with torch.inference_mode(False), torch.enable_grad():
             x = torch.randn(shape, dtype=first.dtype, device=first.device, generator=gen,
                             requires_grad=True)
             inputs = [x] + [p for p in self.parameters() if p.requires_grad]
-            for pair in candidates.values():
-                cls = pair[0]
+            for cls in candidates.values():
                 times = []
                 for _ in range(repeats + 1):
                     start = time.perf_counter()
@@ -376,30 +365,25 @@ class Layer(nn.Module):
                     times.append(time.perf_counter() - start)
                 seconds = sorted(times[1:])[len(times[1:]) // 2]
                 if best is None or seconds < best[0]:
-                    best = (seconds, pair)
+                    best = (seconds, cls)
         assert best is not None, "the auto planner always gives a candidate"
         return best[1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         try:  # free unless raised: a list fails on .shape, an array inside the generated code
             if _is_compiling():
-                # planning is plain Python that dynamo should not trace: a compiled layer runs
-                # the code planned for the last shape seen eagerly, or at construction for the
-                # example shape (any plan computes any shape), as its compilable variant
-                cls = self._last_compilable
-                if cls is None:
-                    raise SpecError("this layer has no plan to compile: call it once eagerly "
-                                    "(its example shape cannot be planned)")
+                # planning is plain Python that dynamo should not trace: it runs once, at
+                # trace time, as a constant (see _compilable_key)
+                cls = _COMPILABLE[_compilable_key(self)]
             elif x.shape == self._last_shape:  # the hot path: the same shape again
                 cls = self._last_class
             else:
                 shape = tuple(x.shape)
                 if len(shape) == self._unbatched_dims:  # planned as a batch of one
                     shape = (1, *shape)
-                cls, compilable = self._class(shape)  # also keeps the cache's order LRU
+                cls = self._class(shape)  # also keeps the cache's order LRU
                 # not through nn.Module.__setattr__, which is slow
-                self.__dict__.update(_last_class=cls, _last_compilable=compilable,
-                                     _last_shape=x.shape)
+                self.__dict__.update(_last_class=cls, _last_shape=x.shape)
             return cls.forward(self, x)
         except AttributeError:
             if isinstance(x, torch.Tensor):
@@ -414,6 +398,24 @@ class Layer(nn.Module):
 
 
 _is_compiling = torch.compiler.is_compiling  # dynamo knows the function itself
+
+#: the classes compiled layers trace, by the name of their generated source
+_COMPILABLE: dict[str, type] = {}
+
+
+def _compilable_key(layer: Layer) -> str:
+    """Plan and load ``layer._compilable_class()``; the key it is kept under. Dynamo calls this
+    once per trace and takes the result as a constant, so that tracing (and ``fullgraph``
+    compiling before any eager call) needs no planning in the traced code."""
+    cls = layer._compilable_class()
+    key = cls.forward.__code__.co_filename
+    _COMPILABLE[key] = cls
+    return key
+
+
+# what torch._dynamo.assume_constant_result sets; written here so that ``import tnspec`` does
+# not import dynamo (tests/test_integration.py checks that the decorator still sets only this)
+_compilable_key._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 def contract(spec: str | Network, x: torch.Tensor, /, cores: Mapping[str, torch.Tensor] |

@@ -4,7 +4,7 @@ The planner prices each step with :class:`~tnspec.cost.CostModel`: rates for con
 and einsums, a channels-per-group efficiency, memory bandwidth and a per-step overhead. Those
 differ from one CPU or GPU to the next, and so does the best implementation of a step (a 1x1
 convolution or an einsum for channel mixing). So on first use for a device, dtype and thread
-count, tnspec times a fixed set of small steps forward and backward (about a second on two CPU
+count, tnspec times a fixed set of small steps forward and backward (under a second on two CPU
 threads), fits the constants to them and keeps them in a JSON file in the user's cache
 directory; later processes read the file and time nothing. The model orders the contraction.
 How each channel-mixing step of that order runs (a 1x1 convolution or an einsum, whose speeds
@@ -20,6 +20,7 @@ the cache. Measuring uses its own random generator and gradients: the global RNG
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -121,6 +122,7 @@ def device_key(device: torch.device | str, dtype: torch.dtype) -> str:
     return f"{where} | {str(dtype).replace('torch.', '')} | torch {torch.__version__}"
 
 
+@functools.lru_cache(maxsize=None)
 def _cpu_name() -> str:
     try:
         with open("/proc/cpuinfo") as f:
@@ -138,12 +140,18 @@ _memory: dict[str, CostModel] = {}
 _choices: dict[str, dict[str, Any]] | None = None  # the file's measured choices, read once
 
 
+def _measured(device: torch.device | str) -> bool:
+    """Whether layers on ``device`` plan with measurements (calibration on, a timeable
+    device; not e.g. ``meta``)."""
+    return enabled() and torch.device(device).type in ("cpu", "cuda")
+
+
 def cost_model(device: torch.device | str = "cpu",
                dtype: torch.dtype = torch.float32) -> CostModel:
     """The cost model for ``device`` and ``dtype``: calibrated (measured once, then read from
     the cache), or the built-in constants when calibration is off or the device is not one
     tnspec can time (e.g. ``meta``)."""
-    if not enabled() or torch.device(device).type not in ("cpu", "cuda"):
+    if not _measured(device):
         return CostModel(scale=2.0 if dtype.itemsize == 8 else 1.0)
     key = device_key(device, dtype)
     if key not in _memory:
@@ -191,7 +199,7 @@ def chooser(device: torch.device | str = "cpu",
     """How channel-mixing steps run on ``device``: a function that answers "conv1x1" or
     "einsum" for a :class:`~tnspec.cost.Mixing` from the cache, timing both the first time a
     size class is seen. None when calibration is off (the cost model decides)."""
-    if not enabled() or torch.device(device).type not in ("cpu", "cuda"):
+    if not _measured(device):
         return None
     prefix = device_key(device, dtype)
 
@@ -330,13 +338,18 @@ def measure(device: torch.device | str, dtype: torch.dtype, repeats: int = 5) ->
 MIXING_ELEMENTS = 1 << 22
 
 
+def size_class(batch: int) -> int:
+    """The nearest power of two (0 for 0): batch sizes that share a plan and a measurement
+    (1, 2, 3-5, 6-11, 12-22, ...)."""
+    return 1 << round(math.log2(batch)) if batch > 0 else 0
+
+
 def _batch_class(step: Mixing) -> int:
-    """The batch a step is timed and cached under: the nearest power of two, capped so that
-    the timed tensors stay small; a new batch size in the same class is not timed again."""
+    """The batch a step is timed and cached under: its size class, capped so that the timed
+    tensors stay small; a new batch size in the same class is not timed again."""
     per_sample = step.groups * max(step.inputs, step.outputs) * math.prod(step.spatial)
     cap = max(1, MIXING_ELEMENTS // max(per_sample, 1))
-    nearest = 1 << max(0, round(math.log2(max(step.batch, 1))))
-    return max(1, min(nearest, 1 << int(math.log2(cap))))
+    return max(1, min(size_class(step.batch), 1 << int(math.log2(cap))))
 
 
 def time_mixing(step: Mixing, device: torch.device | str, dtype: torch.dtype,
@@ -368,7 +381,7 @@ def _timed(run: Callable[[], None], device: torch.device) -> float:
 
 # ---- fitting ---------------------------------------------------------------------------------
 
-#: the two nonlinear constants are searched on a grid; the four others are then linear
+#: the two nonlinear constants are searched on a grid; the five others are then linear
 _CHANNELS = (0.5, 1, 2, 4, 8, 16, 32)
 _GROUPED = (1.0, 1.25, 1.5, 2.0, 3.0)
 _MAX_RATE = 1e16  # a rate the samples cannot bound (zero coefficient) is taken as this

@@ -103,19 +103,18 @@ def _parser() -> argparse.ArgumentParser:
 
     cal = sub.add_parser("calibrate", help="show or refresh the planner's measured cost model",
                          description="Show the cost model the planner uses on a device (measured "
-                         "there on first use, about a second, then read from the cache), and "
+                         "there on first use, under a second, then read from the cache), and "
                          f"every cached one. {calibration.ENV_DIR} moves the cache; "
                          f"{calibration.ENV_SWITCH}=0 makes layers use the built-in constants.")
     cal.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:1, ...")
-    cal.add_argument("--dtype", default="float32", choices=sorted(_DTYPES),
+    cal.add_argument("--dtype", default="float32", choices=_DTYPES,
                      help="the parameters' dtype (default float32)")
     cal.add_argument("--refresh", action="store_true", help="measure again and rewrite the cache")
     cal.set_defaults(run=_calibrate)
     return parser
 
 
-_DTYPES = {"float32": "float32", "float64": "float64", "bfloat16": "bfloat16",
-           "float16": "float16"}
+_DTYPES = ("bfloat16", "float16", "float32", "float64")
 
 
 def _file_options(parser: argparse.ArgumentParser, output_help: str, set_help: str) -> None:
@@ -215,7 +214,7 @@ def _calibrate(args: argparse.Namespace) -> int:
         print(f"tnspec calibrate: error: cannot measure device {args.device!r}: {exc}",
               file=sys.stderr)
         return EXIT_SPEC
-    found = calibration.calibrate(device, getattr(torch, _DTYPES[args.dtype]),
+    found = calibration.calibrate(device, getattr(torch, args.dtype),
                                   refresh=args.refresh)
     print(f"cache: {calibration.cache_path()}")
     if not calibration.enabled():

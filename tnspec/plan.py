@@ -470,10 +470,3 @@ def plan(net: Network, planner: str = "auto", *, max_bytes: int = DEFAULT_MAX_BY
                       for s in steps], max_bytes, itemsize)
     positions = math.prod(sizes[i] for i in net.with_role(Role.BATCH, Role.SPATIAL_OUT))
     return Plan(net, tuple(steps), planner, net.dense_parameters * positions)
-
-
-def with_ops(the_plan: Plan, choose: Chooser) -> Plan:
-    """``the_plan`` with its channel-mixing steps decided again by ``choose``, in the same
-    order (no search)."""
-    problem = Problem(the_plan.network)
-    return replace(the_plan, steps=tuple(problem.rechoose(s, choose) for s in the_plan.steps))
