@@ -317,12 +317,13 @@ class Layer(nn.Module):
         return runtime.layer_class(self.network, self.plan(shape))
 
     def _compilable_class(self) -> type:
-        """The class a ``torch.compile``-d call traces: the plan of the last shape seen eagerly
-        (or of the example shape: the default sizes, 32 for the others) with its channel
-        mixing as 1x1 convolutions. Inductor fails on the strided result of an einsum over the
-        data once shapes are dynamic ("cannot determine truth value of Relational"), which a
-        convolution's contiguous result avoids. Any plan computes any shape."""
-        shape = tuple(self._last_shape or example_shape(self.network, {}))
+        """The class a ``torch.compile``-d call traces: the one the last eager call ran, or,
+        before any eager call, the plan of the example shape (the default sizes, 32 for the
+        others) with its channel mixing as 1x1 convolutions, since timing which op is faster
+        has no place in a trace. Any plan computes any shape."""
+        if self._last_class is not None:
+            return self._last_class
+        shape = tuple(example_shape(self.network, {}))
         if len(shape) == self._unbatched_dims:
             shape = (1, *shape)
         the_plan = plan(bind_shape(self.network, shape), self.planner, max_bytes=self.max_bytes,

@@ -17,6 +17,7 @@ import builtins
 import keyword
 import math
 import textwrap
+from dataclasses import replace
 from pathlib import PurePath
 from typing import Any, NamedTuple, Sequence
 
@@ -27,8 +28,8 @@ from .ir import Formula, Network
 from .lines import (INDENT, WIDTH, comment, if_block, raise_block, spec_lines, wrap_assign,
                     wrap_call, wrap_line)
 from .lower import from_cores
-from .program import (Bias, Call, CheckShape, Let, Namer, Node, Param, Program, Require, Unpack,
-                      Var)
+from .program import (Bias, Call, CheckShape, Const, Let, Namer, Node, Param, Program, Require,
+                      Unpack, Var)
 from .shapes import Size, geometry, nn_attributes
 
 _MODULE_NAMES = frozenset({"F", "nn", "torch"})  # the generated module's imports
@@ -234,6 +235,8 @@ def arg(a: Any) -> str:
         return a.name
     if isinstance(a, Param):
         return _attr(a.name)
+    if isinstance(a, Const):
+        return a.text
     if isinstance(a, Size):
         return str(a)
     if isinstance(a, tuple):
@@ -292,6 +295,10 @@ def statement(node: Node, indent: str) -> list[str]:
 
 
 def _call(node: Call, indent: str) -> list[str]:
+    if node.compiling_only:
+        head = f"{indent}if torch.compiler.is_compiling():"
+        return comment(node.comment, indent) + [head] + \
+            _call(replace(node, compiling_only=False, comment=""), indent + INDENT)
     note = comment(node.comment, indent) if node.comment else []
     args = [arg(a) for a in node.args]
     if node.fn == "[]":  # x[:, :, ::stride]

@@ -19,8 +19,8 @@ from typing import Any, Sequence
 
 from .ir import Network, Role
 from .plan import Plan, Step
-from .program import (Arg, Bias, Call, CheckShape, Let, Namer, Node, Param, Program, Require,
-                      Unpack, Var)
+from .program import (Arg, Bias, Call, CheckShape, Const, Let, Namer, Node, Param, Program,
+                      Require, Unpack, Var)
 from .shapes import Size, axis_text, conv_out, geometry
 
 
@@ -42,6 +42,7 @@ class _Lowering:
         self.layout: dict[Var | Param, tuple[str, ...]] = {}  # index names of its axes
         self.dims: dict[Var | Param, tuple[Size, ...]] = {}  # its shape
         self.reshaped: dict[Var, Var | Param] = {}  # a reshape's result -> its source
+        self.made_by: dict[Var, str] = {}  # the callable that made each variable
 
     # ---- sizes ------------------------------------------------------------------------------
 
@@ -72,6 +73,7 @@ class _Lowering:
              dims: Sequence[Size], comment: str = "", **kwargs: Arg) -> Var:
         out = Var(self.name(f"tensor:{len(self.nodes)}", base))
         self.nodes.append(Call(out.name, fn, args, tuple(kwargs.items()), comment))
+        self.made_by[out] = fn
         self.layout[out], self.dims[out] = tuple(layout), tuple(dims)
         return out
 
@@ -241,6 +243,15 @@ class _Lowering:
         x = self.arrange(left, sp.batch + sp.groups + sp.inputs + sp.spatial,
                          [batch, self.product(sp.groups + sp.inputs)] +
                          [self.dim(left, i) for i in sp.spatial])
+        if len(sp.spatial) == 2 and self.made_by.get(x) in _VIEWS:
+            # a real copy either way: contiguous() of a contiguous view is the view itself
+            layout = Const(f"torch.channels_last if {x.name}.is_contiguous() "
+                           "else torch.contiguous_format")
+            self.nodes.append(Call(
+                x.name, ".contiguous", (x,), (("memory_format", layout),), compiling_only=True,
+                comment="Inductor fails on a 4-D view saved for a conv's backward once shapes "
+                        "are dynamic (pytorch/pytorch#185510); under torch.compile the conv "
+                        "gets a copy instead"))
         kernels = [str(c.kernel) for c in convs if c]
         w = self.arrange(right, sp.groups + sp.outputs + sp.inputs + tuple(kernels),
                          [self.product(sp.groups + sp.outputs), self.product(sp.inputs)] +
@@ -408,6 +419,10 @@ class _Lowering:
 
 
 _LETTERS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+
+
+# what returns a view of its input (torch.einsum: a permuted view of a bmm's result)
+_VIEWS = {".reshape", ".permute", ".flip", "[]", "torch.einsum"}
 
 
 def _names(node: Node) -> set[str]:

@@ -33,19 +33,28 @@ class Param:
     name: str
 
 
-Arg = Union[Var, Param, Size, int, str, tuple, list, None]
+@dataclass(frozen=True)
+class Const:
+    """A torch constant, printed as written: ``torch.channels_last``."""
+
+    text: str
+
+
+Arg = Union[Var, Param, Const, Size, int, str, tuple, list, None]
 
 
 @dataclass(frozen=True)
 class Call:
     """``out = fn(*args, **kwargs)``; a method when ``fn`` starts with ``.``
-    (``args[0].reshape(*args[1:])``)."""
+    (``args[0].reshape(*args[1:])``). ``compiling_only``: run only while ``torch.compile`` or
+    ``torch.export`` traces (``out`` then names the same variable as ``args[0]``)."""
 
     out: str
     fn: str
     args: tuple[Arg, ...]
     kwargs: tuple[tuple[str, Arg], ...] = ()
     comment: str = ""
+    compiling_only: bool = False
 
 
 @dataclass(frozen=True)
