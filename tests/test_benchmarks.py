@@ -24,7 +24,7 @@ def test_speed_smoke_runs_and_cross_checks_against_the_libraries(capsys):
     speed = load("speed")
     assert speed.main(["--smoke"]) == 0
     out = capsys.readouterr().out
-    assert out.count("  ok") == 20 and "MISMATCH" not in out
+    assert out.count("  ok") == 35 and "MISMATCH" not in out
     for library in ("tltorch factorized", "tltorch reconstructed", "tednet"):
         assert library in out
 

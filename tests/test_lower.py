@@ -10,7 +10,7 @@ import torch
 import tnspec
 from tnspec.lower import lower
 from tnspec.plan import plan
-from tnspec.program import Call, Let, Param, Require, Var
+from tnspec.program import Bias, Call, Let, Param, Require, Var
 from tnspec.shapes import Size, bind_shape, conv_out
 
 
@@ -23,8 +23,30 @@ def test_nodes_name_the_torch_callable_and_pass_cores_directly():
                 c=3, o=4, kh=3, kw=3)
     (conv,) = [n for n in p.nodes if isinstance(n, Call)]
     assert conv.fn == "F.conv2d" and conv.args == (Var("x"), Param("W"))
-    assert dict(conv.kwargs) == {"padding": 1}  # stride, dilation and groups left at default
+    # stride, dilation and groups left at default; the bias added by the conv, as nn.Conv2d
+    assert dict(conv.kwargs) == {"bias": Param("bias"), "padding": 1}
     assert conv.out == "y" and p.result == "y"
+    assert not [n for n in p.nodes if isinstance(n, Bias)]
+
+
+def test_the_last_conv_adds_the_bias_only_when_its_channels_are_the_bias_axis():
+    """A bias over (o0 o1) is folded into a last conv over (o0 o1) channels; a bias over two
+    output axes stays a separate add. Both equal the dense computation with a random bias."""
+    grouped = tnspec.layer("x[b, (c0 c1), h+kh-1, w+kw-1], A[c0, r], K[r, c1, kh, kw, o0, o1] "
+                           "-> y[b, (o0 o1), h, w]", c0=2, c1=3, r=2, o0=2, o1=2, kh=3, kw=3)
+    two_axes = tnspec.layer("x[b, c, h+kh-1, w+kw-1], W[o, p, c, kh, kw] -> y[b, o, p, h, w]",
+                            c=6, o=2, p=2, kh=3, kw=3)
+    x = torch.randn(2, 6, 8, 8)
+    for layer, folded in ((grouped, True), (two_axes, False)):
+        nodes = layer.program(x.shape).nodes
+        last = [n for n in nodes if isinstance(n, Call) and n.fn == "F.conv2d"][-1]
+        assert ("bias" in dict(last.kwargs)) is folded
+        assert any(isinstance(n, Bias) for n in nodes) is not folded
+        with torch.no_grad():
+            layer.bias.normal_()
+        weight = layer.dense_weight() if folded else layer.W.reshape(4, 6, 3, 3)
+        want = torch.nn.functional.conv2d(x, weight, layer.bias.reshape(-1), padding=1)
+        torch.testing.assert_close(layer(x).reshape(want.shape), want, rtol=1e-4, atol=1e-5)
 
 
 def test_sizes_are_folded():
@@ -64,7 +86,7 @@ def test_tracebacks_show_the_generated_line():
         layer(torch.ones(2, 2, dtype=torch.int64))
     text = "".join(traceback.format_exception(info.value))
     assert "<tnspec-generated-" in text
-    assert "y = F.linear(x, W_p)" in text
+    assert "y = F.linear(x, W_p, self.bias)" in text  # the bias added by the linear
 
 
 def test_source_of_the_inline_layer_is_what_generate_writes():

@@ -43,6 +43,7 @@ class _Lowering:
         self.dims: dict[Var | Param, tuple[Size, ...]] = {}  # its shape
         self.reshaped: dict[Var, Var | Param] = {}  # a reshape's result -> its source
         self.made_by: dict[Var, str] = {}  # the callable that made each variable
+        self.bias_folded = False  # the last conv or linear adds the bias
 
     # ---- sizes ------------------------------------------------------------------------------
 
@@ -261,7 +262,10 @@ class _Lowering:
         # spread: PyTorch's symmetric padding would not produce exactly that size
         explicit = any(c and (not net.index(c.target).runtime or c.input_dilation > 1)
                        for c in convs)
+        natural = sp.batch + sp.groups + sp.outputs + tuple(targets)
         kwargs: dict[str, Arg] = {}
+        if self.takes_bias(step, sp.groups + sp.outputs, natural):
+            kwargs["bias"] = Param("bias")
         if explicit:
             pads: list[Any] = []
             for c, i in zip(convs, sp.spatial):
@@ -289,7 +293,6 @@ class _Lowering:
             lengths
         y = self.call(base + "_conv", f"F.conv{len(sp.spatial)}d", x, w, layout=("",) * len(dims),
                       dims=dims, comment=f"{kind}, {step.flops:,} FLOPs: {what}", **kwargs)
-        natural = sp.batch + sp.groups + sp.outputs + tuple(targets)
         y = self.reshape_to(y, natural, [self.dim(left, i) for i in sp.batch] +
                             [self.size(i) for i in sp.groups + sp.outputs] + lengths, base)
         if natural != step.result.indices:  # only when spatial axes rode along with the batch
@@ -306,11 +309,24 @@ class _Lowering:
         x = self.arrange(left, sp.batch + sp.inputs, batch_dims + [self.product(sp.inputs)])
         w = self.arrange(right, sp.outputs + sp.inputs,
                          [self.product(sp.outputs), self.product(sp.inputs)])
-        y = self.call(base + "_lin", "F.linear", x, w, layout=sp.batch + ("",),
+        bias = (Param("bias"),) if self.takes_bias(step, sp.outputs, sp.batch + sp.outputs) \
+            else ()
+        y = self.call(base + "_lin", "F.linear", x, w, *bias, layout=sp.batch + ("",),
                       dims=batch_dims + [self.product(sp.outputs)],
                       comment=f"linear, {step.flops:,} FLOPs: {what}")
         return self.reshape_to(y, step.result.indices,
                                batch_dims + [self.size(i) for i in sp.outputs], base)
+
+    def takes_bias(self, step: Step, channels: tuple[str, ...], layout: tuple[str, ...]) -> bool:
+        """Whether the conv or linear of ``step`` adds the bias itself (as ``nn.Conv2d``
+        does: no separate pass over the output): it is the last step, its result is the output
+        in the output's order, and the bias spans exactly its ``channels``."""
+        net = self.net
+        axes = [a for a in net.output.axes if from_cores(net, a)]
+        fits = step is self.plan.steps[-1] and layout == net.output.indices and \
+            len(axes) == 1 and tuple(axes[0]) == channels
+        self.bias_folded |= fits
+        return fits
 
     def einsum(self, step: Step, left: Var | Param, right: Var | Param, base: str,
                what: str) -> Var:
@@ -368,7 +384,7 @@ class _Lowering:
         if isinstance(holder, Var) and any(getattr(n, "out", None) == name for n in self.nodes):
             self.rename(name, out_name)
             name = out_name
-        if bias_shape(net):  # skipped at run time when the module has no bias
+        if bias_shape(net) and not self.bias_folded:  # skipped at run time without a bias
             shape = tuple(self.product(a) if from_cores(net, a) else Size.of(1)
                           for a in net.output.axes)
             self.nodes.append(Bias(out_name, name, shape, "bias over " + ", ".join(

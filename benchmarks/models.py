@@ -1,0 +1,101 @@
+"""Whole networks for the speed benchmark, written here because torchvision's CPU wheel is not
+available: a ResNet-18 and a MobileNetV2 of the CIFAR kind (32x32 inputs, 10 classes, the
+stems adapted to small images as is usual), each dense and tensorized with ``tnspec.tensorize``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import tnspec
+
+
+class BasicBlock(nn.Module):
+    def __init__(self, c: int, o: int, stride: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(c, o, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(o)
+        self.conv2 = nn.Conv2d(o, o, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(o)
+        self.shortcut = nn.Sequential()
+        if stride != 1 or c != o:
+            self.shortcut = nn.Sequential(nn.Conv2d(c, o, 1, stride, bias=False),
+                                          nn.BatchNorm2d(o))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.relu(self.bn1(self.conv1(x)))
+        return torch.relu(self.bn2(self.conv2(y)) + self.shortcut(x))
+
+
+def resnet18(classes: int = 10) -> nn.Module:
+    layers: list[nn.Module] = [nn.Conv2d(3, 64, 3, 1, 1, bias=False), nn.BatchNorm2d(64),
+                               nn.ReLU()]
+    c = 64
+    for o, stride in ((64, 1), (128, 2), (256, 2), (512, 2)):
+        layers += [BasicBlock(c, o, stride), BasicBlock(o, o, 1)]
+        c = o
+    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(512, classes)]
+    return nn.Sequential(*layers)
+
+
+class InvertedResidual(nn.Module):
+    def __init__(self, c: int, o: int, stride: int, expand: int) -> None:
+        super().__init__()
+        hidden = c * expand
+        layers: list[nn.Module] = []
+        if expand != 1:
+            layers += [nn.Conv2d(c, hidden, 1, bias=False), nn.BatchNorm2d(hidden), nn.ReLU6()]
+        layers += [nn.Conv2d(hidden, hidden, 3, stride, 1, groups=hidden, bias=False),
+                   nn.BatchNorm2d(hidden), nn.ReLU6(),
+                   nn.Conv2d(hidden, o, 1, bias=False), nn.BatchNorm2d(o)]
+        self.block = nn.Sequential(*layers)
+        self.residual = stride == 1 and c == o
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.block(x)
+        return x + y if self.residual else y
+
+
+def mobilenet_v2(classes: int = 10) -> nn.Module:
+    # (expansion, channels, repeats, stride) as in the paper, strides of the first two stages
+    # set to 1 for 32x32 inputs
+    settings = ((1, 16, 1, 1), (6, 24, 2, 1), (6, 32, 3, 2), (6, 64, 4, 2), (6, 96, 3, 1),
+                (6, 160, 3, 2), (6, 320, 1, 1))
+    layers: list[nn.Module] = [nn.Conv2d(3, 32, 3, 1, 1, bias=False), nn.BatchNorm2d(32),
+                               nn.ReLU6()]
+    c = 32
+    for t, o, n, s in settings:
+        for i in range(n):
+            layers.append(InvertedResidual(c, o, s if i == 0 else 1, t))
+            c = o
+    layers += [nn.Conv2d(c, 1280, 1, bias=False), nn.BatchNorm2d(1280), nn.ReLU6(),
+               nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(1280, classes)]
+    return nn.Sequential(*layers)
+
+
+def _spatial(name: str, module: nn.Module) -> bool:
+    """3x3 convolutions past the stem: the layers tensorized in ResNets."""
+    return isinstance(module, nn.Conv2d) and module.kernel_size == (3, 3) and \
+        module.in_channels > 3 and module.groups == 1
+
+
+def _pointwise(name: str, module: nn.Module) -> bool:
+    """1x1 convolutions: where MobileNetV2's parameters and most of its FLOPs are."""
+    return isinstance(module, nn.Conv2d) and module.kernel_size == (1, 1) and \
+        module.groups == 1 and module.in_channels >= 64 and module.out_channels >= 64
+
+
+def pair(name: str, share: float = 0.25) -> tuple[nn.Module, nn.Module, str]:
+    """(dense, tensorized, what was tensorized) for ``name`` ("resnet18" or "mobilenet_v2"):
+    Tucker-2 at ``share`` of each selected layer's parameters (the same init seed)."""
+    build, fmt, select = {"resnet18": (resnet18, "tucker2", _spatial),
+                          "mobilenet_v2": (mobilenet_v2, "low_rank", _pointwise)}[name]
+    torch.manual_seed(0)
+    dense = build()
+    torch.manual_seed(0)
+    tensorized, _ = tnspec.tensorize(build(), fmt, rank=share, include=select)
+    before = sum(p.numel() for p in dense.parameters())
+    after = sum(p.numel() for p in tensorized.parameters())
+    return dense, tensorized, (f"{fmt} at {share:.0%} of the params of each selected layer: "
+                               f"{before:,} -> {after:,} params")
