@@ -154,7 +154,7 @@ def test_a_measured_choice_is_kept_and_a_nearby_batch_is_not_timed_again(
         timed.append(step)
         return {"conv1x1": 1.0, "einsum": 3.0}
     monkeypatch.setattr(calibration, "time_mixing", fake)
-    layer = tnspec.layer(TUCKER2, c=64, o=64, r0=4, r1=4, kh=3, kw=3)
+    layer = tnspec.layer(TUCKER2, c=64, o=64, r0=4, r1=4, kh=3, kw=3, autotune=False)
     before = len(timed)  # construction planned (and timed) the example shape
     layer(torch.randn(32, 64, 10, 10))
     mixing = [s.op for s in layer.plan((32, 64, 10, 10)).steps if s.data_side and not s.convs]
@@ -180,6 +180,40 @@ def test_the_einsum_is_chosen_only_when_clearly_faster(calibrated, monkeypatch):
         calibration.forget()
         calibrated.unlink()
         assert calibration.chooser()(Mixing(4, 1, 8, 8, (16, 16))) == op
+
+
+def test_layers_time_their_candidate_orders_once_and_keep_the_fastest_in_the_cache(
+        calibrated, monkeypatch):
+    """Where calibration is on, a layer's first call for a shape times its candidate orders
+    (autotune's default); a new process recalls the winner and times nothing; autotune=False
+    and calibration off time no order."""
+    tnspec.calibrate()
+    monkeypatch.setattr(calibration, "time_mixing",
+                        lambda step, device, dtype, repeats: {"conv1x1": 1.0, "einsum": 2.0})
+    timed = []
+    real = tnspec.Layer._time
+
+    def count(self, classes, shape, repeats):
+        timed.append(len(classes))
+        return real(self, classes, shape, repeats)
+    monkeypatch.setattr(tnspec.Layer, "_time", count)
+    x = torch.randn(4, 16, 8, 8)
+    layer = tnspec.layer(TUCKER2, c=16, o=16, r0=2, r1=3, kh=3, kw=3)
+    y = layer(x)
+    assert timed and timed[0] >= 2  # several distinct orders were timed
+    orders = [v for v in json.loads(calibrated.read_text())["choices"].values()
+              if v["op"] == "order"]
+    assert len(orders) == 1 and orders[0]["seconds"] > 0
+    calibration.forget()  # as a new process: the order comes from the file
+    again = tnspec.layer(TUCKER2, c=16, o=16, r0=2, r1=3, kh=3, kw=3)
+    again.load_state_dict(layer.state_dict())
+    torch.testing.assert_close(again(x), y)
+    assert len(timed) == 1
+    tnspec.layer(TUCKER2, c=16, o=16, r0=2, r1=4, kh=3, kw=3, autotune=False)(x)
+    assert len(timed) == 1
+    monkeypatch.setenv(calibration.ENV_SWITCH, "0")
+    tnspec.layer(TUCKER2, c=16, o=16, r0=2, r1=5, kh=3, kw=3)(x)
+    assert len(timed) == 1
 
 
 def test_a_choice_is_timed_at_a_capped_batch():

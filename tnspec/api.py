@@ -132,7 +132,7 @@ def layer(text: str, /, *, name: str | None = None, init: str | None = None,
           distribution: str | None = None, stride_count: str | None = None,
           init_weights: Mapping[str, float] | None = None,
           dtype: torch.dtype | None = None, device: torch.device | str | None = None,
-          planner: str = "auto", autotune: bool = False,
+          planner: str = "auto", autotune: bool | None = None,
           max_elements: int = DEFAULT_MAX_ELEMENTS, max_bytes: int = DEFAULT_MAX_BYTES,
           sizes: Mapping[str, int] | None = None, **more_sizes: int) -> "Layer":
     """An initialized ``nn.Module`` for ``text`` (an expression, or a ``.tn`` file's text with
@@ -142,8 +142,9 @@ def layer(text: str, /, *, name: str | None = None, init: str | None = None,
     orthogonal, naive), ``activation`` (a name, ``"leaky_relu(0.1)"``, or the scale p_a),
     ``bias``, ``distribution`` (normal, uniform), ``stride_count`` ("exact": graph-out counts
     K/s taps on strided axes), ``init_weights`` (relative shares of a graph mode's product of
-    variances, by core name). With ``autotune=True`` the first call for each input shape times
-    the candidate contraction orders and keeps the fastest. ``max_elements`` bounds each core
+    variances, by core name). ``autotune``: the first call for each input shape times the
+    candidate contraction orders and keeps the fastest, in the calibration cache (default: on
+    where calibration is, see ``tnspec calibrate``; True or False forces it). ``max_elements`` bounds each core
     (and the bias); ``max_bytes`` each tensor of the forward pass at the batch it is called with.
 
     >>> m = layer("x[b, i], W[i, o] -> y[b, o]", i=4, o=3)
@@ -192,7 +193,7 @@ class Layer(nn.Module):
 
     def __init__(self, network: Network, *, dtype: torch.dtype | None = None,
                  device: torch.device | str | None = None, planner: str = "auto",
-                 autotune: bool = False, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
+                 autotune: bool | None = None, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
         super().__init__()
         self.autotune = autotune
         self.network = network
@@ -302,16 +303,26 @@ class Layer(nn.Module):
         recently used first out beyond ``plan_cache_size``). Batch sizes within a factor of
         two share a class (see :func:`~tnspec.calibration.size_class`): any plan computes any
         shape, and a smaller last batch is not worth planning again."""
-        key = (size_class(shape[0]), *shape[1:]) if self._batch_first and shape else shape
+        key = self._shape_key(shape)
         classes = self._classes
         if key in classes:
             classes.move_to_end(key)
             return classes[key]
-        cls = self._fastest(shape) if self.autotune else self._planned(shape)
+        cls = self._fastest(shape) if self._tunes() else self._planned(shape)
         classes[key] = cls
         while len(classes) > self.plan_cache_size:
             classes.popitem(last=False)
         return cls
+
+    def _shape_key(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        return (size_class(shape[0]), *shape[1:]) if self._batch_first and shape else shape
+
+    def _tunes(self) -> bool:
+        """``autotune``, which by default (None) is on where calibration measures."""
+        if self.autotune is not None:
+            return self.autotune
+        first = next(self.parameters(), None)
+        return first is not None and calibration.measures(first.device)
 
     def _planned(self, shape: tuple[int, ...]) -> type:
         return runtime.layer_class(self.network, self.plan(shape))
@@ -332,11 +343,12 @@ class Layer(nn.Module):
         return runtime.layer_class(self.network, the_plan)
 
     def _fastest(self, shape: tuple[int, ...], repeats: int = 3) -> type:
-        """Time every distinct candidate order (forward and backward) and keep the fastest.
-        Uses its own random generator and gradients, so that the global RNG, ``no_grad``,
-        ``inference_mode`` and frozen cores are left as they are."""
+        """The fastest distinct candidate order for ``shape``, timed forward and backward on
+        the cores' device, or recalled from the calibration cache where a process timed it
+        before. Timing uses its own random generator and gradients, so that the global RNG,
+        ``no_grad``, ``inference_mode`` and frozen cores are left as they are."""
         bound = bind_shape(self.network, shape)
-        candidates: dict[tuple, type] = {}
+        candidates: dict[str, type] = {}
         for name in ("auto", "greedy", "dense-first", "left-to-right"):
             try:
                 candidate = plan(bound, name, max_bytes=self.max_bytes,
@@ -345,30 +357,47 @@ class Layer(nn.Module):
                 if name == "auto":
                     raise  # the layer's own error for this shape
                 continue
-            key = tuple((s.left.indices, s.right.indices, s.op) for s in candidate.steps)
+            key = repr(tuple((s.left.indices, s.right.indices, s.op) for s in candidate.steps))
             if key not in candidates:
                 candidates[key] = runtime.layer_class(self.network, candidate)
+        if len(candidates) == 1:
+            return next(iter(candidates.values()))
+        first = next(iter(self.parameters()))
+        sizes = ", ".join(f"{k}={v}" for k, v in sorted(self.sizes.items()))
+        what = f"order of {self.spec} ({sizes}) for {list(self._shape_key(shape))}"
+        kept = calibration.measures(first.device)
+        found = calibration.recall(first.device, first.dtype, what) if kept else None
+        if found is not None and found.get("order") in candidates:
+            return candidates[found["order"]]
+        seconds = self._time(list(candidates.values()), shape, repeats)
+        best = min(range(len(seconds)), key=seconds.__getitem__)
+        if kept:
+            calibration.remember(first.device, first.dtype, what, {
+                "op": "order", "order": list(candidates)[best], "seconds": seconds[best]})
+        return list(candidates.values())[best]
+
+    def _time(self, classes: list[type], shape: tuple[int, ...], repeats: int) -> list[float]:
+        """Median seconds of each class's forward and backward on a random input of
+        ``shape``, in interleaved rounds."""
         first = next(iter(self.parameters()))
         gen = torch.Generator(device=first.device).manual_seed(0)
-        best: tuple[float, type] | None = None
+        times: list[list[float]] = [[] for _ in classes]
         with torch.inference_mode(False), torch.enable_grad():
             x = torch.randn(shape, dtype=first.dtype, device=first.device, generator=gen,
                             requires_grad=True)
             inputs = [x] + [p for p in self.parameters() if p.requires_grad]
-            for cls in candidates.values():
-                times = []
-                for _ in range(repeats + 1):
+            for n in range(repeats + 1):  # the first round warms up
+                for cls, spent in zip(classes, times):
                     start = time.perf_counter()
                     y = cls.forward(self, x)
-                    torch.autograd.grad(y, inputs, torch.ones_like(y))
+                    # a contiguous gradient, as the next layer gives
+                    grad = torch.ones(y.shape, dtype=y.dtype, device=y.device)
+                    torch.autograd.grad(y, inputs, grad)
                     if x.is_cuda:
                         torch.cuda.synchronize()
-                    times.append(time.perf_counter() - start)
-                seconds = sorted(times[1:])[len(times[1:]) // 2]
-                if best is None or seconds < best[0]:
-                    best = (seconds, cls)
-        assert best is not None, "the auto planner always gives a candidate"
-        return best[1]
+                    if n:
+                        spent.append(time.perf_counter() - start)
+        return [sorted(t)[len(t) // 2] for t in times]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         try:  # free unless raised: a list fails on .shape, an array inside the generated code

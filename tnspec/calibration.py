@@ -140,7 +140,7 @@ _memory: dict[str, CostModel] = {}
 _choices: dict[str, dict[str, Any]] | None = None  # the file's measured choices, read once
 
 
-def _measured(device: torch.device | str) -> bool:
+def measures(device: torch.device | str) -> bool:
     """Whether layers on ``device`` plan with measurements (calibration on, a timeable
     device; not e.g. ``meta``)."""
     return enabled() and torch.device(device).type in ("cpu", "cuda")
@@ -151,7 +151,7 @@ def cost_model(device: torch.device | str = "cpu",
     """The cost model for ``device`` and ``dtype``: calibrated (measured once, then read from
     the cache), or the built-in constants when calibration is off or the device is not one
     tnspec can time (e.g. ``meta``)."""
-    if not _measured(device):
+    if not measures(device):
         return CostModel(scale=2.0 if dtype.itemsize == 8 else 1.0)
     key = device_key(device, dtype)
     if key not in _memory:
@@ -203,27 +203,41 @@ def chooser(device: torch.device | str = "cpu",
     """How channel-mixing steps run on ``device``: a function that answers "conv1x1" or
     "einsum" for a :class:`~tnspec.cost.Mixing` from the cache, timing both the first time a
     size class is seen. None when calibration is off (the cost model decides)."""
-    if not _measured(device):
+    if not measures(device):
         return None
-    prefix = device_key(device, dtype)
 
     def choose(step: Mixing) -> str:
-        global _choices
         batch = _batch_class(step)
-        key = (f"{prefix} | mixing batch {batch}, groups {step.groups}, "
-               f"{step.inputs} -> {step.outputs} over {'x'.join(map(str, step.spatial))}")
-        if _choices is None:
-            _choices = _read()[1]
-        if key not in _choices:
+        what = (f"mixing batch {batch}, groups {step.groups}, {step.inputs} -> {step.outputs} "
+                f"over {'x'.join(map(str, step.spatial))}")
+        found = recall(device, dtype, what)
+        if found is None:
             seconds = time_mixing(replace(step, batch=batch), device, dtype, repeats=9)
             # the einsum only when clearly faster: timings of one op vary by 10-20% here, and
             # the conv keeps the data contiguous and can add the bias itself
             op = "einsum" if seconds["einsum"] < _MARGIN * seconds["conv1x1"] else "conv1x1"
-            entries, on_disk = _read()
-            _choices = {**on_disk, **_choices, key: {"op": op, "seconds": seconds}}
-            _write(entries, _choices)
-        return str(_choices[key]["op"])
+            found = {"op": op, "seconds": seconds}
+            remember(device, dtype, what, found)
+        return str(found["op"])
     return choose
+
+
+def recall(device: torch.device | str, dtype: torch.dtype, what: str) -> dict[str, Any] | None:
+    """A choice measured on ``device`` and ``dtype`` and kept in the cache under ``what``
+    (an op per mixing step, an order per layer), or None."""
+    global _choices
+    if _choices is None:
+        _choices = _read()[1]
+    return _choices.get(f"{device_key(device, dtype)} | {what}")
+
+
+def remember(device: torch.device | str, dtype: torch.dtype, what: str,
+             value: dict[str, Any]) -> None:
+    """Keep a measured choice in the cache (merged with what other processes wrote)."""
+    global _choices
+    entries, on_disk = _read()
+    _choices = {**on_disk, **(_choices or {}), f"{device_key(device, dtype)} | {what}": value}
+    _write(entries, _choices)
 
 
 def _read() -> tuple[dict[str, Calibration], dict[str, dict[str, Any]]]:
@@ -249,7 +263,7 @@ def _read() -> tuple[dict[str, Calibration], dict[str, dict[str, Any]]]:
                                        int(e["samples"]))
         choices = dict(data.get("choices", {}))
         for key, c in choices.items():
-            if c["op"] not in ("conv1x1", "einsum"):
+            if c["op"] not in ("conv1x1", "einsum", "order"):
                 raise ValueError(f"choice {key!r} names the unknown op {c['op']!r}")
         return entries, choices
     except (ValueError, TypeError, KeyError, AttributeError) as exc:
