@@ -139,6 +139,13 @@ class Problem:
         self.convs = tuple(c for c in net.convs if c.kernel is not None)
         #: the data side's spatial axes: every source and target (kernel-less ones included)
         self.spatial = frozenset(c.source for c in net.convs) | {c.target for c in net.convs}
+        # and plain axes the data keeps after its channels (x[b, c, h, w] -> y[b, o, h, w]):
+        # a 1x1 conv mixes channels across them without moving the data
+        axes, out = net.input.axes, net.output.axes
+        plain = {a[0] for a, o in zip(axes[2:], out[2:]) if len(axes) == len(out)
+                 and len(a) == 1 and a == o and net.index(a[0]).role is Role.BATCH}
+        if len(net.convs) + len(plain) <= MAX_CONV_DIMS:
+            self.spatial |= plain
         # which operands carry each relation's kernel (bitmap over operand positions)
         self.carriers = [sum(1 << p for p, op in enumerate(self.operands)
                              if c.kernel in op.indices and p) for c in self.convs]
