@@ -342,7 +342,7 @@ class Layer(nn.Module):
                         choose=lambda step: "conv1x1")
         return runtime.layer_class(self.network, the_plan)
 
-    def _fastest(self, shape: tuple[int, ...], repeats: int = 3) -> type:
+    def _fastest(self, shape: tuple[int, ...], repeats: int = 5) -> type:
         """The fastest distinct candidate order for ``shape``, timed forward and backward on
         the cores' device, or recalled from the calibration cache where a process timed it
         before. Timing uses its own random generator and gradients, so that the global RNG,
