@@ -193,9 +193,12 @@ def test_layers_time_their_candidate_orders_once_and_keep_the_fastest_in_the_cac
     timed = []
     real = tnspec.Layer._time
 
-    def count(self, classes, shape, repeats):
+    layouts = []
+
+    def count(self, classes, shape, repeats, channels_last=False):
         timed.append(len(classes))
-        return real(self, classes, shape, repeats)
+        layouts.append(channels_last)
+        return real(self, classes, shape, repeats, channels_last)
     monkeypatch.setattr(tnspec.Layer, "_time", count)
     x = torch.randn(4, 16, 8, 8)
     layer = tnspec.layer(TUCKER2, c=16, o=16, r0=2, r1=3, kh=3, kw=3)
@@ -211,9 +214,14 @@ def test_layers_time_their_candidate_orders_once_and_keep_the_fastest_in_the_cac
     assert len(timed) == 1
     tnspec.layer(TUCKER2, c=16, o=16, r0=2, r1=4, kh=3, kw=3, autotune=False)(x)
     assert len(timed) == 1
+    # a channels_last input is another layout: its orders are timed on such an input
+    last = tnspec.layer(TUCKER2, c=16, o=16, r0=2, r1=3, kh=3, kw=3)
+    last.load_state_dict(layer.state_dict())
+    torch.testing.assert_close(last(x.contiguous(memory_format=torch.channels_last)), y)
+    assert len(timed) == 2 and layouts == [False, True]
     monkeypatch.setenv(calibration.ENV_SWITCH, "0")
     tnspec.layer(TUCKER2, c=16, o=16, r0=2, r1=5, kh=3, kw=3)(x)
-    assert len(timed) == 1
+    assert len(timed) == 2
 
 
 def test_a_choice_is_timed_at_a_capped_batch():

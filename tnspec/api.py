@@ -298,17 +298,18 @@ class Layer(nn.Module):
         the text ``tnspec compile`` writes for that plan."""
         return runtime.source_of(self._class(tuple(int(n) for n in shape)).forward)
 
-    def _class(self, shape: tuple[int, ...]) -> type:
-        """The generated class for ``shape``, planned once per size class, then cached (least
+    def _class(self, shape: tuple[int, ...], channels_last: bool = False) -> type:
+        """The generated class for ``shape``, planned once per size class (and layout: orders
+        are timed on a ``channels_last`` input when the caller's is), then cached (least
         recently used first out beyond ``plan_cache_size``). Batch sizes within a factor of
         two share a class (see :func:`~tnspec.calibration.size_class`): any plan computes any
         shape, and a smaller last batch is not worth planning again."""
-        key = self._shape_key(shape)
+        key = self._shape_key(shape) + (("channels_last",) if channels_last else ())
         classes = self._classes
         if key in classes:
             classes.move_to_end(key)
             return classes[key]
-        cls = self._fastest(shape) if self._tunes() else self._planned(shape)
+        cls = self._fastest(shape, channels_last) if self._tunes() else self._planned(shape)
         classes[key] = cls
         while len(classes) > self.plan_cache_size:
             classes.popitem(last=False)
@@ -342,7 +343,8 @@ class Layer(nn.Module):
                         choose=lambda step: "conv1x1")
         return runtime.layer_class(self.network, the_plan)
 
-    def _fastest(self, shape: tuple[int, ...], repeats: int = 5) -> type:
+    def _fastest(self, shape: tuple[int, ...], channels_last: bool = False,
+                 repeats: int = 5) -> type:
         """The fastest distinct candidate order for ``shape``, timed forward and backward on
         the cores' device, or recalled from the calibration cache where a process timed it
         before. Timing uses its own random generator and gradients, so that the global RNG,
@@ -364,27 +366,31 @@ class Layer(nn.Module):
             return next(iter(candidates.values()))
         first = next(iter(self.parameters()))
         sizes = ", ".join(f"{k}={v}" for k, v in sorted(self.sizes.items()))
-        what = f"order of {self.spec} ({sizes}) for {list(self._shape_key(shape))}"
+        what = f"order of {self.spec} ({sizes}) for {list(self._shape_key(shape))}" + \
+            (" channels_last" if channels_last else "")
         kept = calibration.measures(first.device)
         found = calibration.recall(first.device, first.dtype, what) if kept else None
         if found is not None and found.get("order") in candidates:
             return candidates[found["order"]]
-        seconds = self._time(list(candidates.values()), shape, repeats)
+        seconds = self._time(list(candidates.values()), shape, repeats, channels_last)
         best = min(range(len(seconds)), key=seconds.__getitem__)
         if kept:
             calibration.remember(first.device, first.dtype, what, {
                 "op": "order", "order": list(candidates)[best], "seconds": seconds[best]})
         return list(candidates.values())[best]
 
-    def _time(self, classes: list[type], shape: tuple[int, ...], repeats: int) -> list[float]:
+    def _time(self, classes: list[type], shape: tuple[int, ...], repeats: int,
+              channels_last: bool = False) -> list[float]:
         """Median seconds of each class's forward and backward on a random input of
-        ``shape``, in interleaved rounds."""
+        ``shape`` (laid out channels-last if asked), in interleaved rounds."""
         first = next(iter(self.parameters()))
         gen = torch.Generator(device=first.device).manual_seed(0)
         times: list[list[float]] = [[] for _ in classes]
         with torch.inference_mode(False), torch.enable_grad():
-            x = torch.randn(shape, dtype=first.dtype, device=first.device, generator=gen,
-                            requires_grad=True)
+            x = torch.randn(shape, dtype=first.dtype, device=first.device, generator=gen)
+            if channels_last:
+                x = x.contiguous(memory_format=torch.channels_last)
+            x.requires_grad_(True)
             inputs = [x] + [p for p in self.parameters() if p.requires_grad]
             for n in range(repeats + 1):  # the first round warms up
                 for cls, spent in zip(classes, times):
@@ -411,7 +417,9 @@ class Layer(nn.Module):
                 shape = tuple(x.shape)
                 if len(shape) == self._unbatched_dims:  # planned as a batch of one
                     shape = (1, *shape)
-                cls = self._class(shape)  # also keeps the cache's order LRU
+                last = x.dim() == 4 and not x.is_contiguous() and \
+                    x.is_contiguous(memory_format=torch.channels_last)
+                cls = self._class(shape, last)  # also keeps the cache's order LRU
                 # not through nn.Module.__setattr__, which is slow
                 self.__dict__.update(_last_class=cls, _last_shape=x.shape)
             return cls.forward(self, x)
