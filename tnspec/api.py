@@ -20,13 +20,13 @@ import torch
 from torch import nn
 
 from . import calibration, codegen, decompose, runtime
+from .calibration import size_class
 from .check import check, select_layer
 from .codegen import LayerCode, summary_line
 from .errors import SpecError
 from .ir import DEFAULT_MAX_BYTES, DEFAULT_MAX_ELEMENTS, Network, Role
 from .lower import Program, bias_shape, lower
 from .parse import parse
-from .calibration import size_class
 from .plan import PLANNERS, Plan, plan
 from .settings import option_value, positive_int
 from .shapes import bind_shape, example_shape, geometry, nn_attributes
@@ -144,8 +144,9 @@ def layer(text: str, /, *, name: str | None = None, init: str | None = None,
     K/s taps on strided axes), ``init_weights`` (relative shares of a graph mode's product of
     variances, by core name). ``autotune``: the first call for each input shape times the
     candidate contraction orders and keeps the fastest, in the calibration cache (default: on
-    where calibration is, see ``tnspec calibrate``; True or False forces it). ``max_elements`` bounds each core
-    (and the bias); ``max_bytes`` each tensor of the forward pass at the batch it is called with.
+    where calibration is, see ``tnspec calibrate``; True or False forces it). ``max_elements``
+    bounds each core (and the bias); ``max_bytes`` each tensor of the forward pass at the
+    batch it is called with.
 
     >>> m = layer("x[b, i], W[i, o] -> y[b, o]", i=4, o=3)
     >>> m(torch.ones(2, 4)).shape
@@ -376,7 +377,7 @@ class Layer(nn.Module):
         best = min(range(len(seconds)), key=seconds.__getitem__)
         if kept:
             calibration.remember(first.device, first.dtype, what, {
-                "op": "order", "order": list(candidates)[best], "seconds": seconds[best]})
+                "order": list(candidates)[best], "seconds": seconds[best]})
         return list(candidates.values())[best]
 
     def _time(self, classes: list[type], shape: tuple[int, ...], repeats: int,

@@ -9,7 +9,8 @@ threads), fits the constants to them and keeps them in a JSON file in the user's
 directory; later processes read the file and time nothing. The model orders the contraction.
 How each channel-mixing step of that order runs (a 1x1 convolution or an einsum, whose speeds
 differ most between machines) is then decided by timing both at the step's own sizes, once per
-device and size class, kept in the same file.
+device and size class, kept in the same file; so is the fastest of a layer's candidate orders,
+timed on its first call for a shape (see ``Layer``'s ``autotune``).
 
 ``TNSPEC_CACHE_DIR`` moves the cache (default ``$XDG_CACHE_HOME/tnspec``, else
 ``~/.cache/tnspec``); ``TNSPEC_CALIBRATE=0`` turns calibration off (the built-in constants
@@ -42,7 +43,7 @@ from .cost import Chooser, CostModel, Mixing
 ENV_DIR = "TNSPEC_CACHE_DIR"
 ENV_SWITCH = "TNSPEC_CALIBRATE"
 FILE_NAME = "calibration.json"
-FORMAT = 1  # bumped when the measurement or the model changes; older entries are re-measured
+FORMAT = 2  # bumped when the measurement or the model changes; older entries are re-measured
 
 
 @dataclass(frozen=True)
@@ -262,8 +263,8 @@ def _read() -> tuple[dict[str, Calibration], dict[str, dict[str, Any]]]:
             entries[key] = Calibration(key, model, float(e["error"]), float(e["seconds"]),
                                        int(e["samples"]))
         choices = dict(data.get("choices", {}))
-        for key, c in choices.items():
-            if c["op"] not in ("conv1x1", "einsum", "order"):
+        for key, c in choices.items():  # an op per mixing step, or an order per layer
+            if "order" not in c and c["op"] not in ("conv1x1", "einsum"):
                 raise ValueError(f"choice {key!r} names the unknown op {c['op']!r}")
         return entries, choices
     except (ValueError, TypeError, KeyError, AttributeError) as exc:

@@ -17,7 +17,6 @@ import builtins
 import keyword
 import math
 import textwrap
-from dataclasses import replace
 from pathlib import PurePath
 from typing import Any, NamedTuple, Sequence
 
@@ -28,8 +27,8 @@ from .ir import Formula, Network
 from .lines import (INDENT, WIDTH, comment, if_block, raise_block, spec_lines, wrap_assign,
                     wrap_call, wrap_line)
 from .lower import from_cores
-from .program import (Bias, Call, CheckShape, Const, Let, Namer, Node, Param, Program, Require,
-                      Unpack, Var)
+from .program import (Bias, Call, CheckShape, CompileCopy, Let, Namer, Node, Param, Program,
+                      Require, Unpack, Var)
 from .shapes import Size, geometry, nn_attributes
 
 _MODULE_NAMES = frozenset({"F", "nn", "torch"})  # the generated module's imports
@@ -235,8 +234,6 @@ def arg(a: Any) -> str:
         return a.name
     if isinstance(a, Param):
         return _attr(a.name)
-    if isinstance(a, Const):
-        return a.text
     if isinstance(a, Size):
         return str(a)
     if isinstance(a, tuple):
@@ -291,14 +288,15 @@ def statement(node: Node, indent: str) -> list[str]:
         # output, so does the sum (a no-op otherwise)
         return noted + wrap_line(f"{indent}{INDENT}{node.out} = {node.var} + "
                                  f"self.bias.reshape({shape}).to({node.var}.dtype)")
+    if isinstance(node, CompileCopy):
+        v = node.var
+        return comment(node.comment, indent) + [f"{indent}if torch.compiler.is_compiling():"] + \
+            wrap_line(f"{indent}{INDENT}{v} = {v}.contiguous(memory_format=torch.channels_last "
+                      f"if {v}.is_contiguous() else torch.contiguous_format)")
     raise TypeError(f"codegen cannot print {type(node).__name__}")  # pragma: no cover
 
 
 def _call(node: Call, indent: str) -> list[str]:
-    if node.compiling_only:
-        head = f"{indent}if torch.compiler.is_compiling():"
-        return comment(node.comment, indent) + [head] + \
-            _call(replace(node, compiling_only=False, comment=""), indent + INDENT)
     note = comment(node.comment, indent) if node.comment else []
     args = [arg(a) for a in node.args]
     if node.fn == "[]":  # x[:, :, ::stride]

@@ -19,8 +19,8 @@ from typing import Any, Sequence
 
 from .ir import Network, Role
 from .plan import Plan, Step
-from .program import (Arg, Bias, Call, CheckShape, Const, Let, Namer, Node, Param, Program,
-                      Require, Unpack, Var)
+from .program import (Arg, Bias, Call, CheckShape, CompileCopy, Let, Namer, Node, Param,
+                      Program, Require, Unpack, Var)
 from .shapes import Size, axis_text, conv_out, geometry
 
 
@@ -43,7 +43,6 @@ class _Lowering:
         self.dims: dict[Var | Param, tuple[Size, ...]] = {}  # its shape
         self.reshaped: dict[Var, Var | Param] = {}  # a reshape's result -> its source
         self.made_by: dict[Var, str] = {}  # the callable that made each variable
-        self.bias_folded = False  # the last conv or linear adds the bias
 
     # ---- sizes ------------------------------------------------------------------------------
 
@@ -245,12 +244,8 @@ class _Lowering:
                          [batch, self.product(sp.groups + sp.inputs)] +
                          [self.dim(left, i) for i in sp.spatial])
         if len(sp.spatial) == 2 and self.made_by.get(x) in _VIEWS:
-            # a real copy either way: contiguous() of a contiguous view is the view itself
-            layout = Const(f"torch.channels_last if {x.name}.is_contiguous() "
-                           "else torch.contiguous_format")
-            self.nodes.append(Call(
-                x.name, ".contiguous", (x,), (("memory_format", layout),), compiling_only=True,
-                comment="Inductor fails on a 4-D view saved for a conv's backward once shapes "
+            self.nodes.append(CompileCopy(
+                x.name, "Inductor fails on a 4-D view saved for a conv's backward once shapes "
                         "are dynamic (pytorch/pytorch#185510); under torch.compile the conv "
                         "gets a copy instead"))
         kernels = [str(c.kernel) for c in convs if c]
@@ -323,10 +318,8 @@ class _Lowering:
         in the output's order, and the bias spans exactly its ``channels``."""
         net = self.net
         axes = [a for a in net.output.axes if from_cores(net, a)]
-        fits = step is self.plan.steps[-1] and layout == net.output.indices and \
+        return step is self.plan.steps[-1] and layout == net.output.indices and \
             len(axes) == 1 and tuple(axes[0]) == channels
-        self.bias_folded |= fits
-        return fits
 
     def einsum(self, step: Step, left: Var | Param, right: Var | Param, base: str,
                what: str) -> Var:
@@ -384,7 +377,9 @@ class _Lowering:
         if isinstance(holder, Var) and any(getattr(n, "out", None) == name for n in self.nodes):
             self.rename(name, out_name)
             name = out_name
-        if bias_shape(net) and not self.bias_folded:  # skipped at run time without a bias
+        folded = any(isinstance(n, Call) and Param("bias") in (*n.args, *dict(n.kwargs).values())
+                     for n in self.nodes)
+        if bias_shape(net) and not folded:  # skipped at run time when the module has no bias
             shape = tuple(self.product(a) if from_cores(net, a) else Size.of(1)
                           for a in net.output.axes)
             self.nodes.append(Bias(out_name, name, shape, "bias over " + ", ".join(
@@ -400,7 +395,8 @@ class _Lowering:
                 return type(arg)(swap(a) for a in arg)
             return arg
         self.nodes = [replace(n, out=new if n.out == old else n.out, args=swap(n.args),
-                              kwargs=swap(n.kwargs)) if isinstance(n, Call) else n
+                              kwargs=swap(n.kwargs)) if isinstance(n, Call) else
+                      replace(n, var=new) if isinstance(n, CompileCopy) and n.var == old else n
                       for n in self.nodes]
 
     def finish(self, data: str, result: str) -> Program:
@@ -468,6 +464,8 @@ def _names(node: Node) -> set[str]:
     elif isinstance(node, Bias):
         found.add(node.var)
         visit(node.shape)
+    elif isinstance(node, CompileCopy):
+        found.add(node.var)
     return found
 
 

@@ -142,8 +142,8 @@ class Problem:
         # and plain axes the data keeps after its channels (x[b, c, h, w] -> y[b, o, h, w]):
         # a 1x1 conv mixes channels across them without moving the data
         axes, out = net.input.axes, net.output.axes
-        plain = {a[0] for a, o in zip(axes[2:], out[2:]) if len(axes) == len(out)
-                 and len(a) == 1 and a == o and net.index(a[0]).role is Role.BATCH}
+        plain = {a[0] for a, o in zip(axes[2:], out[2:]) if len(a) == 1 and a == o
+                 and net.index(a[0]).role is Role.BATCH} if len(axes) == len(out) else set()
         if len(net.convs) + len(plain) <= MAX_CONV_DIMS:
             self.spatial |= plain
         # which operands carry each relation's kernel (bitmap over operand positions)

@@ -33,28 +33,19 @@ class Param:
     name: str
 
 
-@dataclass(frozen=True)
-class Const:
-    """A torch constant, printed as written: ``torch.channels_last``."""
-
-    text: str
-
-
-Arg = Union[Var, Param, Const, Size, int, str, tuple, list, None]
+Arg = Union[Var, Param, Size, int, str, tuple, list, None]
 
 
 @dataclass(frozen=True)
 class Call:
     """``out = fn(*args, **kwargs)``; a method when ``fn`` starts with ``.``
-    (``args[0].reshape(*args[1:])``). ``compiling_only``: run only while ``torch.compile`` or
-    ``torch.export`` traces (``out`` then names the same variable as ``args[0]``)."""
+    (``args[0].reshape(*args[1:])``)."""
 
     out: str
     fn: str
     args: tuple[Arg, ...]
     kwargs: tuple[tuple[str, Arg], ...] = ()
     comment: str = ""
-    compiling_only: bool = False
 
 
 @dataclass(frozen=True)
@@ -103,7 +94,17 @@ class Bias:
     comment: str = ""
 
 
-Node = Union[Call, CheckShape, Unpack, Let, Require, Bias]
+@dataclass(frozen=True)
+class CompileCopy:
+    """Only while ``torch.compile`` or ``torch.export`` traces: ``var`` replaced by a copy in
+    the other memory format (channels-last if it is contiguous, else contiguous), so that the
+    copy is real whatever the strides."""
+
+    var: str
+    comment: str = ""
+
+
+Node = Union[Call, CheckShape, Unpack, Let, Require, Bias, CompileCopy]
 
 
 @dataclass(frozen=True)
