@@ -40,9 +40,8 @@ def exhaustive(problem: Problem) -> float:
             a = sub | low
             b = subset ^ a
             if b and a in best and b in best:
-                step = problem.cost(a, b)
-                if step is not None:
-                    value = min(value, best[a] + best[b] + step)
+                step = problem.price(problem.array([a]), problem.array([b]))[0][0]
+                value = min(value, best[a] + best[b] + float(step))  # inf if not allowed
             if sub == 0:
                 break
             sub = (sub - 1) & rest

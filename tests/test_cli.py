@@ -248,6 +248,14 @@ def test_bad_shapes_are_spec_errors_with_exit_2(shape, message, tmp_path, capsys
     assert not out.exists()
 
 
+def test_a_kernel_larger_than_the_example_input_is_a_spec_error(tmp_path, capsys):
+    out = tmp_path / "layer.py"
+    assert main(["compile", CP, "-o", str(out), "--set", "k=99"]) == 2
+    assert "cannot be planned for the input shape [32, 96, 32, 32]" in capsys.readouterr().err
+    assert not out.exists()
+    assert main(["compile", CP, "-o", str(out), "--set", "k=99", "--shape", "h=100,w=100"]) == 0
+
+
 def test_a_file_with_a_byte_order_mark_is_read(tmp_path, capsys):
     spec = tmp_path / "bom.tn"
     spec.write_bytes(b"\xef\xbb\xbf" + (ROOT / "examples" / "cp.tn").read_bytes())

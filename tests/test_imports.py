@@ -50,7 +50,9 @@ def test_stages_import_only_what_lies_above_them():
     assert graph["ir"] == set()
     assert graph["shapes"] <= {"ir", "errors"}
     assert graph["backward"] <= {"ir"}
-    assert graph["plan"] <= {"ir", "errors", "cost", "shapes"}  # no check, hence no Lark
+    assert graph["problem"] <= {"ir", "cost"}
+    assert graph["paths"] <= {"ir", "errors", "problem"}
+    assert graph["plan"] <= {"ir", "errors", "cost", "shapes", "problem", "paths"}  # no Lark
     assert graph["shapes"] <= {"ir", "errors"}
     assert graph["calibration"] <= {"cost"}
     assert "__init__" not in set().union(*(d for m, d in graph.items() if m != "__main__"))

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
 import tnspec
-from tnspec.plan import Split, plan
+from tnspec import formats
+from tnspec import problem as problem_module
+from tnspec.plan import PLANNERS, Problem, Split, plan
 from tnspec.shapes import bind_shape
 
 HTK2 = ("x[b, c, h+kh-1, w+kw-1], U[c, r0, phi], G[r0, r1, kh, kw, phi], V[r1, o, phi]"
@@ -106,3 +110,36 @@ def test_an_empty_batch_gives_an_empty_output_as_torch_does(text, sizes, dense, 
     y = layer(x)
     assert y.shape == dense()(x).shape
     y.sum().backward()
+
+
+# ---- the search ------------------------------------------------------------------------------
+
+RANDOM = [formats.random(seed, vertices=(3, 6)) for seed in range(16)]
+
+
+@pytest.mark.parametrize("fmt", RANDOM, ids=[f"random{n}" for n in range(len(RANDOM))])
+def test_dp_finds_the_order_opt_einsums_dp_finds(fmt):
+    net = fmt.layer().network
+    channels = math.prod(net.sizes[i] for i in net.input.axes[1])
+    problem = Problem(bind_shape(net, (8, channels, 12, 12)))
+    ours, theirs = (problem.replay(PLANNERS[name](problem)) for name in ("dp", "opt-dp"))
+    assert sum(s.seconds for s in ours) == pytest.approx(sum(s.seconds for s in theirs),
+                                                         rel=1e-9)
+
+
+def test_more_indices_than_an_int64_holds_plan_as_python_ints(monkeypatch):
+    net = bind_shape(tnspec.compile(HTK2, c=64, o=64, r0=10, r1=10, kh=3, kw=3, phi=4),
+                     (8, 64, 32, 32))
+    fast = plan(net, "dp")
+    monkeypatch.setattr(problem_module, "INT64_BITS", 0)
+    assert Problem(net).dtype is object
+    slow = plan(net, "dp")
+    assert slow.steps == fast.steps
+
+
+def test_a_network_that_needs_an_outer_product_is_planned():
+    layer = tnspec.layer("x[b, c], A[c, o], S[q] -> y[b, o, q]", c=4, o=3, q=2)
+    x = torch.randn(5, 4)
+    expected = torch.einsum("bc,co,q->boq", x, layer.A, layer.S)
+    torch.testing.assert_close(layer(x), expected)
+    assert [str(s.right) for s in layer.plan((5, 4)).steps] == ["A[c, o]", "S[q]"]

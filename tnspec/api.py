@@ -108,7 +108,13 @@ def generate(text: str, /, *, names: Sequence[str] | None = None,
     programs = []
     for net in compile_all(text, names=names, sizes=_merge(sizes, more_sizes)):
         net = _with_options(net, init=init)
-        bound = bind_shape(net, example_shape(net, shape or {}))
+        example = example_shape(net, shape or {})
+        try:
+            bound = bind_shape(net, example)
+        except ValueError as exc:  # e.g. a kernel larger than the default 32
+            raise SpecError(f"layer {net.name} cannot be planned for the input shape "
+                            f"{list(example)}: {exc}", hint="plan for an input larger than the kernel with "
+                            "--shape (shape= in Python), e.g. h=64,w=64") from None
         # planned for the CPU that compiles: the file's most likely runner
         the_plan = plan(bound, planner, model=calibration.cost_model("cpu", torch.float32),
                         choose=calibration.chooser("cpu", torch.float32))

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+import numpy as np
+
 
 @dataclass(frozen=True)
 class CostModel:
@@ -36,10 +38,10 @@ class CostModel:
 
     def conv(self, batch: int, groups: int, cin: int, cout: int, positions: int, kernel: int,
              traffic: int) -> float:
+        # also called with numpy arrays of sizes, pricing many candidate steps at once
         macs = batch * groups * cin * cout * positions * kernel
         eff = (cin / (cin + self.channels)) * (cout / (cout + self.channels))
-        if groups > 1 and max(cin, cout) > 1:
-            eff /= self.grouped
+        eff = eff / np.where((groups > 1) & (np.maximum(cin, cout) > 1), self.grouped, 1.0)
         return self.scale * (3 * macs / (self.conv_rate * eff) + 3 * traffic / self.bandwidth) \
             + self.overhead
 
