@@ -141,7 +141,7 @@ def test_autotune_keeps_a_correct_candidate():
     module = tnspec.layer(text, autotune=True, **sizes)
     x = torch.randn(2, *shape)
     compare(module, x)
-    key = (tnspec.calibration.size_class(x.shape[0]), *x.shape[1:])
+    key = (tnspec.measure.size_class(x.shape[0]), *x.shape[1:])
     assert key in module._classes  # timed once, then cached
 
 
@@ -150,8 +150,8 @@ def test_a_new_batch_size_in_the_same_class_is_not_planned_again_and_the_cache_i
     text, sizes, shape = spec("tucker2", 2, 1, "same", 1)
     module = tnspec.layer(text, **sizes)
     planned = []
-    real = tnspec.api.plan
-    monkeypatch.setattr(tnspec.api, "plan", lambda *a, **k: planned.append(a[0]) or real(*a, **k))
+    real = tnspec.module.plan
+    monkeypatch.setattr(tnspec.module, "plan", lambda *a, **k: planned.append(a[0]) or real(*a, **k))
     for batch in (32, 30, 24, 33, 45):  # one class: nearest power of two is 32
         compare(module, torch.randn(batch, *shape))
     assert len(planned) == 1

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import tnspec
-from tnspec import calibration, runtime
+from tnspec import calibration, measure, runtime
 from tnspec.cost import CostModel, Mixing
 from tnspec.plan import plan
 from tnspec.shapes import bind_shape
@@ -35,8 +35,8 @@ def calibrated(tmp_path, monkeypatch):
 
 def test_the_cache_round_trips_and_a_warm_cache_times_nothing(calibrated, monkeypatch):
     first = tnspec.calibrate()
-    assert calibrated.exists() and first.samples == len(calibration.CONVS) + len(
-        calibration.EINSUMS)
+    assert calibrated.exists() and first.samples == len(measure.CONVS) + len(
+        measure.EINSUMS)
     assert first.model.conv_rate > 0 and first.model.overhead >= 0 and first.error >= 1
     assert "float32" in first.key and f"{torch.get_num_threads()} threads" in first.key
 
@@ -227,13 +227,13 @@ def test_layers_time_their_candidate_orders_once_and_keep_the_fastest_in_the_cac
 
 def test_a_choice_is_timed_at_a_capped_batch():
     big = Mixing(4096, 1, 512, 512, (128, 128))
-    assert calibration._batch_class(big) == 1
-    assert calibration._batch_class(Mixing(48, 1, 8, 8, (8, 8))) == 64
-    assert calibration._batch_class(Mixing(40, 1, 8, 8, (8, 8))) == 32
+    assert measure.batch_class(big) == 1
+    assert measure.batch_class(Mixing(48, 1, 8, 8, (8, 8))) == 64
+    assert measure.batch_class(Mixing(40, 1, 8, 8, (8, 8))) == 32
 
 
 def test_time_mixing_times_both_ops_on_small_sizes():
-    seconds = calibration.time_mixing(Mixing(2, 2, 3, 4, (5,)), "cpu", torch.float64)
+    seconds = measure.time_mixing(Mixing(2, 2, 3, 4, (5,)), "cpu", torch.float64)
     assert set(seconds) == {"conv1x1", "einsum"} and all(t > 0 for t in seconds.values())
 
 
@@ -241,13 +241,13 @@ def test_the_fit_recovers_a_known_model():
     truth = CostModel(conv_rate=1e11, einsum_rate=3e10, channels=4, bandwidth=2e9,
                       overhead=5e-5, grouped=1.5, einsum_bandwidth=1e9)
     samples = []
-    for n, g, cin, cout, side, k in calibration.CONVS:
-        s = calibration.Sample("conv", n, g, cin, cout, side * side, k * k, 0.0)
-        samples.append(calibration.Sample(**{**s.__dict__, "seconds": s.predicted(truth)}))
-    for n, cin, cout, pos in calibration.EINSUMS:
-        s = calibration.Sample("einsum", n, 1, cin, cout, pos, 1, 0.0)
-        samples.append(calibration.Sample(**{**s.__dict__, "seconds": s.predicted(truth)}))
-    model, error = calibration.fit(samples)
+    for n, g, cin, cout, side, k in measure.CONVS:
+        s = measure.Sample("conv", n, g, cin, cout, side * side, k * k, 0.0)
+        samples.append(measure.Sample(**{**s.__dict__, "seconds": s.predicted(truth)}))
+    for n, cin, cout, pos in measure.EINSUMS:
+        s = measure.Sample("einsum", n, 1, cin, cout, pos, 1, 0.0)
+        samples.append(measure.Sample(**{**s.__dict__, "seconds": s.predicted(truth)}))
+    model, error = measure.fit(samples)
     assert error == pytest.approx(1.0, abs=1e-6)
     for attr in ("conv_rate", "einsum_rate", "bandwidth", "einsum_bandwidth", "overhead"):
         assert math.isclose(getattr(model, attr), getattr(truth, attr), rel_tol=1e-6), attr

@@ -194,7 +194,7 @@ def test_the_compile_plan_is_a_dynamo_constant_and_not_made_at_construction():
     torch._dynamo.assume_constant_result(probe)
     marks = set(vars(probe)) - before
     assert marks == {"_dynamo_marked_constant"}
-    assert all(getattr(tnspec.api._compilable_key, m) for m in marks)
+    assert all(getattr(tnspec.module._compilable_key, m) for m in marks)
     assert tnspec.layer(TEXT, c=8)._classes == {}  # building planned nothing
 
 

@@ -20,13 +20,14 @@ network's cores to one), convert (``tensorize`` an existing model, ``merge`` bac
 from . import formats
 from ._version import __version__
 from .analysis import Backbone, backbone
-from .api import Layer, compile, compile_all, contract, generate, layer
+from .api import compile, compile_all, contract, generate, layer
 from .audit import Audit, audit
 from .backward import backward
 from .calibration import Calibration, calibrate
 from .convert import merge, tensorize
 from .errors import SpecError
 from .ir import Conv, Index, Network, Options, Role, Tensor
+from .module import Layer
 from .plan import Plan
 from .report import explain
 

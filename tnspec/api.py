@@ -1,37 +1,30 @@
 """The public entry points: ``tnspec.compile`` (text -> Network), ``tnspec.layer`` (text -> an
-initialized ``torch.nn.Module``), ``tnspec.contract`` (its functional form), ``tnspec.generate``
-(the source ``tnspec compile`` writes), and the module class itself.
-
-A :class:`Layer` runs generated code: for each input shape it plans, lowers and prints the
-module's source (``codegen``) and executes that source's ``forward`` (``runtime``), so the inline
-layer and the file ``tnspec compile`` writes are the same code by construction.
+initialized :class:`~tnspec.module.Layer`), ``tnspec.contract`` (its functional form) and
+``tnspec.generate`` (the source ``tnspec compile`` writes).
 """
 
 from __future__ import annotations
 
 import math
-import time
-from collections import OrderedDict
 from dataclasses import replace
 from types import SimpleNamespace
 from typing import Any, Mapping, Sequence
 
 import torch
-from torch import nn
 
-from . import calibration, codegen, decompose, runtime
-from .calibration import size_class
+from . import calibration, codegen, runtime
 from .check import check, select_layer
 from .codegen import LayerCode, summary_line
 from .errors import SpecError
-from .ir import DEFAULT_MAX_BYTES, DEFAULT_MAX_ELEMENTS, Network, Role
-from .lower import Program, bias_shape, lower
+from .ir import DEFAULT_MAX_BYTES, DEFAULT_MAX_ELEMENTS, Network
+from .lower import bias_shape, lower
+from .module import Layer, _positive
 from .parse import parse
-from .plan import PLANNERS, Plan, plan
-from .settings import option_value, positive_int
-from .shapes import bind_shape, example_shape, geometry, nn_attributes
+from .plan import plan
+from .settings import option_value
+from .shapes import bind_shape, example_shape
 
-__all__ = ["Layer", "compile", "compile_all", "contract", "example_shape", "generate", "layer"]
+__all__ = ["compile", "compile_all", "contract", "example_shape", "generate", "layer"]
 
 
 def compile(text: str, /, *, name: str | None = None,
@@ -49,14 +42,6 @@ def compile(text: str, /, *, name: str | None = None,
     """
     return check(parse(text), layer=name, sizes=_merge(sizes, more_sizes),
                  max_elements=_positive("max_elements", max_elements))
-
-
-def _positive(name: str, value: Any) -> int:
-    """A limit given from Python, checked: a positive int."""
-    if positive_int(value) is None:
-        raise SpecError(f"{name}={value!r} must be a positive int",
-                        hint="give a number of elements or bytes, e.g. 2**30")
-    return int(value)
 
 
 def _merge(sizes: Mapping[str, int] | None, more: Mapping[str, int]) -> dict[str, int]:
@@ -113,8 +98,8 @@ def generate(text: str, /, *, names: Sequence[str] | None = None,
             bound = bind_shape(net, example)
         except ValueError as exc:  # e.g. a kernel larger than the default 32
             raise SpecError(f"layer {net.name} cannot be planned for the input shape "
-                            f"{list(example)}: {exc}", hint="plan for an input larger than the kernel with "
-                            "--shape (shape= in Python), e.g. h=64,w=64") from None
+                            f"{list(example)}: {exc}", hint="plan for an input larger than the "
+                            "kernel with --shape (shape= in Python), e.g. h=64,w=64") from None
         # planned for the CPU that compiles: the file's most likely runner
         the_plan = plan(bound, planner, model=calibration.cost_model("cpu", torch.float32),
                         choose=calibration.chooser("cpu", torch.float32))
@@ -185,282 +170,6 @@ def _init_weights(given: Any, net: Network) -> tuple[tuple[str, float], ...]:
             raise SpecError(f"init_weights[{k!r}] = {v!r} is not a positive number", hint=hint)
         out.append((k, share))
     return tuple(out)
-
-
-class Layer(nn.Module):
-    """A tensor-network layer: one ``nn.Parameter`` per core, named as in the spec.
-
-    Attributes: ``spec`` (the canonical expression), ``sizes`` (every bound index size),
-    ``network`` (the IR). ``forward`` runs the generated code of the plan for the input's shape
-    (planned once per shape, batch sizes within a factor of two sharing a plan; the last
-    ``plan_cache_size`` are kept, settable per layer); :meth:`source` shows that code.
-    """
-
-    plan_cache_size = 64
-
-    def __init__(self, network: Network, *, dtype: torch.dtype | None = None,
-                 device: torch.device | str | None = None, planner: str = "auto",
-                 autotune: bool | None = None, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
-        super().__init__()
-        self.autotune = autotune
-        self.network = network
-        self.spec = network.spec
-        self.sizes = dict(network.sizes)
-        self.planner = planner
-        self.max_bytes = _positive("max_bytes", max_bytes)
-        if planner not in PLANNERS:
-            raise SpecError(f"unknown planner {planner!r}",
-                            hint=f"choose one of {', '.join(sorted(PLANNERS))}")
-        for core in network.cores:
-            shape = tuple(self.sizes[i] for i in core.indices)
-            self.register_parameter(core.name, nn.Parameter(
-                torch.empty(shape, dtype=dtype, device=device)))
-        shape = bias_shape(network)
-        if network.options.bias and shape:
-            self.bias = nn.Parameter(torch.zeros(shape, dtype=dtype, device=device))
-        else:
-            self.register_parameter("bias", None)
-        geo = geometry(network)
-        self._unbatched_dims = len(network.input.axes) - 1 if geo else -1
-        axes = network.input.axes
-        self._batch_first = bool(axes) and all(network.index(i).role is Role.BATCH
-                                               for i in axes[0])
-        if geo is not None:  # in_channels, kernel_size, ... as nn.Conv2d / nn.Linear have
-            self.__dict__.update(nn_attributes(geo, self.sizes.__getitem__))
-        self._drop_code()
-        self.reset_parameters()
-
-    def _drop_code(self) -> None:
-        """Forget the loaded code (it is planned again on the next call)."""
-        self._classes: OrderedDict[tuple[int, ...], type] = OrderedDict()
-        self._last_class: type | None = None
-        self._last_shape: torch.Size | None = None
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()  # generated classes are rebuilt, not pickled
-        del state["_classes"], state["_last_class"], state["_last_shape"]
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        super().__setstate__(state)
-        self._drop_code()
-
-    def reset_parameters(self) -> None:
-        """Draw every core for the layer's init (respects ``torch.manual_seed``); zero the bias.
-        Runs the generated ``reset_parameters``."""
-        runtime.layer_class(self.network, None).reset_parameters(self)
-
-    def plan(self, shape: Sequence[int]) -> Plan:
-        """The contraction plan for an input of ``shape`` (print ``.report()`` to see it)."""
-        return plan(bind_shape(self.network, tuple(shape)), self.planner,
-                    max_bytes=self.max_bytes, itemsize=self._itemsize(), **self._measured())
-
-    def _itemsize(self) -> int:
-        first = next(self.parameters(), None)
-        return first.element_size() if first is not None else 4
-
-    def _measured(self) -> dict[str, Any]:
-        """The cost model and op chooser of the device and dtype the cores live on."""
-        first = next(self.parameters(), None)
-        where = (first.device, first.dtype) if first is not None else ("cpu", torch.float32)
-        return dict(model=calibration.cost_model(*where), choose=calibration.chooser(*where))
-
-    def program(self, shape: Sequence[int]) -> Program:
-        """The lowered program for an input of ``shape``."""
-        return lower(self.plan(shape))
-
-    def dense_weight(self) -> torch.Tensor:
-        """The equivalent dense weight, differentiable in the cores: ``(out, in // groups,
-        *kernel)`` as ``nn.Conv1d/2d/3d`` holds it, or ``(out, in)`` as ``nn.Linear``, grouped
-        modes flattened row-major as the layer's input and output are. So
-        ``F.conv2d(x, layer.dense_weight(), layer.bias, layer.stride, layer.padding,
-        layer.dilation, layer.groups)`` equals ``layer(x)``. A SpecError for a network that is
-        neither conv-like nor linear-like."""
-        return decompose.dense_weight(self.network, dict(self.named_parameters()))
-
-    def fit_(self, weight: torch.Tensor, *, max_iter: int = 200, tol: float = 1e-7,
-             starts: int = 4) -> float:
-        """Set the cores, in place, so that :meth:`dense_weight` approximates ``weight`` (an
-        ``nn.ConvNd``/``nn.Linear`` weight of that shape); return the relative error
-        ``||dense_weight() - weight|| / ||weight||`` reached, computed from the cores as set.
-
-        Alternating least squares from an SVD start (Tucker factors, chain ends) or, for cores
-        without one, the best of ``starts`` Graph-in random starts; at most ``max_iter``
-        sweeps, stopping when one improves the error by less than ``tol`` of it. Works for any
-        conv-like or linear-like network, on the layer's device, in float64 internally. The
-        bias is left alone. The global RNG is untouched."""
-        if not isinstance(weight, torch.Tensor):
-            raise TypeError(f"fit_ takes the dense weight as a torch.Tensor, got "
-                            f"{type(weight).__name__}")
-        first = next(iter(self.parameters()))
-        cores = decompose.fit(self.network, weight.detach().to(first.device), max_iter=max_iter,
-                              tol=tol, starts=starts)
-        with torch.no_grad():
-            for name, tensor in cores.items():
-                getattr(self, name).copy_(tensor)
-            return decompose.relative_error(self.dense_weight(), weight)
-
-    def source(self, shape: Sequence[int]) -> str:
-        """The generated module whose ``forward`` this layer runs for an input of ``shape``:
-        the text ``tnspec compile`` writes for that plan."""
-        return runtime.source_of(self._class(tuple(int(n) for n in shape)).forward)
-
-    def _class(self, shape: tuple[int, ...], channels_last: bool = False) -> type:
-        """The generated class for ``shape``, planned once per size class (and layout: orders
-        are timed on a ``channels_last`` input when the caller's is), then cached (least
-        recently used first out beyond ``plan_cache_size``). Batch sizes within a factor of
-        two share a class (see :func:`~tnspec.calibration.size_class`): any plan computes any
-        shape, and a smaller last batch is not worth planning again."""
-        key = self._shape_key(shape) + (("channels_last",) if channels_last else ())
-        classes = self._classes
-        if key in classes:
-            classes.move_to_end(key)
-            return classes[key]
-        cls = self._fastest(shape, channels_last) if self._tunes() else self._planned(shape)
-        classes[key] = cls
-        while len(classes) > self.plan_cache_size:
-            classes.popitem(last=False)
-        return cls
-
-    def _shape_key(self, shape: tuple[int, ...]) -> tuple[int, ...]:
-        return (size_class(shape[0]), *shape[1:]) if self._batch_first and shape else shape
-
-    def _tunes(self) -> bool:
-        """``autotune``, which by default (None) is on where calibration measures."""
-        if self.autotune is not None:
-            return self.autotune
-        first = next(self.parameters(), None)
-        return first is not None and calibration.measures(first.device)
-
-    def _planned(self, shape: tuple[int, ...]) -> type:
-        return runtime.layer_class(self.network, self.plan(shape))
-
-    def _compilable_class(self) -> type:
-        """The class a ``torch.compile``-d call traces: the one the last eager call ran, or,
-        before any eager call, the plan of the example shape (the default sizes, 32 for the
-        others) with its channel mixing as 1x1 convolutions, since timing which op is faster
-        has no place in a trace. Any plan computes any shape."""
-        if self._last_class is not None:
-            return self._last_class
-        shape = tuple(example_shape(self.network, {}))
-        if len(shape) == self._unbatched_dims:
-            shape = (1, *shape)
-        the_plan = plan(bind_shape(self.network, shape), self.planner, max_bytes=self.max_bytes,
-                        itemsize=self._itemsize(), model=self._measured()["model"],
-                        choose=lambda step: "conv1x1")
-        return runtime.layer_class(self.network, the_plan)
-
-    def _fastest(self, shape: tuple[int, ...], channels_last: bool = False,
-                 repeats: int = 5) -> type:
-        """The fastest distinct candidate order for ``shape``, timed forward and backward on
-        the cores' device, or recalled from the calibration cache where a process timed it
-        before. Timing uses its own random generator and gradients, so that the global RNG,
-        ``no_grad``, ``inference_mode`` and frozen cores are left as they are."""
-        bound = bind_shape(self.network, shape)
-        candidates: dict[str, type] = {}
-        for name in ("auto", "greedy", "dense-first", "left-to-right"):
-            try:
-                candidate = plan(bound, name, max_bytes=self.max_bytes,
-                                 itemsize=self._itemsize(), **self._measured())
-            except SpecError:
-                if name == "auto":
-                    raise  # the layer's own error for this shape
-                continue
-            key = repr(tuple((s.left.indices, s.right.indices, s.op) for s in candidate.steps))
-            if key not in candidates:
-                candidates[key] = runtime.layer_class(self.network, candidate)
-        if len(candidates) == 1:
-            return next(iter(candidates.values()))
-        first = next(iter(self.parameters()))
-        sizes = ", ".join(f"{k}={v}" for k, v in sorted(self.sizes.items()))
-        what = f"order of {self.spec} ({sizes}) for {list(self._shape_key(shape))}" + \
-            (" channels_last" if channels_last else "")
-        kept = calibration.measures(first.device)
-        found = calibration.recall(first.device, first.dtype, what) if kept else None
-        if found is not None and found.get("order") in candidates:
-            return candidates[found["order"]]
-        seconds = self._time(list(candidates.values()), shape, repeats, channels_last)
-        best = min(range(len(seconds)), key=seconds.__getitem__)
-        if kept:
-            calibration.remember(first.device, first.dtype, what, {
-                "order": list(candidates)[best], "seconds": seconds[best]})
-        return list(candidates.values())[best]
-
-    def _time(self, classes: list[type], shape: tuple[int, ...], repeats: int,
-              channels_last: bool = False) -> list[float]:
-        """Median seconds of each class's forward and backward on a random input of
-        ``shape`` (laid out channels-last if asked), in interleaved rounds."""
-        first = next(iter(self.parameters()))
-        gen = torch.Generator(device=first.device).manual_seed(0)
-        times: list[list[float]] = [[] for _ in classes]
-        with torch.inference_mode(False), torch.enable_grad():
-            x = torch.randn(shape, dtype=first.dtype, device=first.device, generator=gen)
-            if channels_last:
-                x = x.contiguous(memory_format=torch.channels_last)
-            x.requires_grad_(True)
-            inputs = [x] + [p for p in self.parameters() if p.requires_grad]
-            for n in range(repeats + 1):  # the first round warms up
-                for cls, spent in zip(classes, times):
-                    start = time.perf_counter()
-                    y = cls.forward(self, x)
-                    # a contiguous gradient, as the next layer gives
-                    grad = torch.ones(y.shape, dtype=y.dtype, device=y.device)
-                    torch.autograd.grad(y, inputs, grad)
-                    if x.is_cuda:
-                        torch.cuda.synchronize()
-                    if n:
-                        spent.append(time.perf_counter() - start)
-        return [sorted(t)[len(t) // 2] for t in times]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        try:  # free unless raised: a list fails on .shape, an array inside the generated code
-            if _is_compiling():
-                # planning is plain Python that dynamo should not trace: it runs once, at
-                # trace time, as a constant (see _compilable_key)
-                cls = _COMPILABLE[_compilable_key(self)]
-            elif x.shape == self._last_shape:  # the hot path: the same shape again
-                cls = self._last_class
-            else:
-                shape = tuple(x.shape)
-                if len(shape) == self._unbatched_dims:  # planned as a batch of one
-                    shape = (1, *shape)
-                last = x.dim() == 4 and not x.is_contiguous() and \
-                    x.is_contiguous(memory_format=torch.channels_last)
-                cls = self._class(shape, last)  # also keeps the cache's order LRU
-                # not through nn.Module.__setattr__, which is slow
-                self.__dict__.update(_last_class=cls, _last_shape=x.shape)
-            return cls.forward(self, x)
-        except AttributeError:
-            if isinstance(x, torch.Tensor):
-                raise
-            raise TypeError(f"{type(self).__name__} takes a torch.Tensor, not "
-                            f"{type(x).__name__}; convert it with torch.as_tensor(x)") from None
-
-    def extra_repr(self) -> str:
-        opts = self.network.options
-        sizes = ", ".join(f"{k}={v}" for k, v in self.sizes.items())
-        return f"{self.spec!r}, {sizes}, init={opts.init!r}, activation={opts.activation!r}"
-
-
-_is_compiling = torch.compiler.is_compiling  # dynamo knows the function itself
-
-#: the classes compiled layers trace, by the name of their generated source
-_COMPILABLE: dict[str, type] = {}
-
-
-def _compilable_key(layer: Layer) -> str:
-    """Plan and load ``layer._compilable_class()``; the key it is kept under. Dynamo calls this
-    once per trace and takes the result as a constant, so that tracing (and ``fullgraph``
-    compiling before any eager call) needs no planning in the traced code."""
-    cls = layer._compilable_class()
-    key = cls.forward.__code__.co_filename
-    _COMPILABLE[key] = cls
-    return key
-
-
-# what torch._dynamo.assume_constant_result sets; written here so that ``import tnspec`` does
-# not import dynamo (tests/test_integration.py checks that the decorator still sets only this)
-_compilable_key._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 def contract(spec: str | Network, x: torch.Tensor, /, cores: Mapping[str, torch.Tensor] |

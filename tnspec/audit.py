@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from .analysis import backbone
-from .api import Layer
+from .module import Layer
 
 __all__ = ["Audit", "audit"]
 

@@ -15,8 +15,9 @@ import torch
 from torch import nn
 
 from . import formats
-from .api import Layer, _with_options, compile
+from .api import _with_options, compile
 from .errors import SpecError
+from .module import Layer
 from .shapes import geometry
 
 Selector = str | Sequence[str] | Callable[[str, nn.Module], bool] | None

@@ -28,7 +28,7 @@ from .errors import SpecError
 from .settings import positive_int
 
 if TYPE_CHECKING:
-    from .api import Layer
+    from .module import Layer
 
 IntOrTuple = int | Sequence[int]
 Rank = int | float | Sequence[int]

@@ -20,7 +20,7 @@ from typing import Any, Sequence
 from .ir import Network, Role
 from .plan import Plan, Step
 from .program import (Arg, Bias, Call, CheckShape, CompileCopy, Let, Namer, Node, Param,
-                      Program, Require, Unpack, Var)
+                      Program, Require, Unpack, Var, prune, rename)
 from .shapes import Size, axis_text, conv_out, geometry
 
 
@@ -375,7 +375,7 @@ class _Lowering:
                                      [self.product(a) for a in net.output.axes], out_name)
         name = holder.name
         if isinstance(holder, Var) and any(getattr(n, "out", None) == name for n in self.nodes):
-            self.rename(name, out_name)
+            self.nodes = rename(self.nodes, name, out_name)
             name = out_name
         folded = any(isinstance(n, Call) and Param("bias") in (*n.args, *dict(n.kwargs).values())
                      for n in self.nodes)
@@ -387,29 +387,9 @@ class _Lowering:
             name = out_name
         return name
 
-    def rename(self, old: str, new: str) -> None:
-        def swap(arg: Any) -> Any:
-            if isinstance(arg, Var):
-                return Var(new) if arg.name == old else arg
-            if isinstance(arg, (tuple, list)):
-                return type(arg)(swap(a) for a in arg)
-            return arg
-        self.nodes = [replace(n, out=new if n.out == old else n.out, args=swap(n.args),
-                              kwargs=swap(n.kwargs)) if isinstance(n, Call) else
-                      replace(n, var=new) if isinstance(n, CompileCopy) and n.var == old else n
-                      for n in self.nodes]
-
     def finish(self, data: str, result: str) -> Program:
         """Drop nodes whose result is unused; list the static sizes the rest read."""
-        used, kept = {result}, []
-        for node in reversed(self.nodes):
-            if isinstance(node, (Call, Let)) and node.out not in used:
-                continue
-            if isinstance(node, Bias):
-                used.discard(node.out)
-            used |= _names(node)
-            kept.append(node)
-        kept.reverse()
+        kept, used = prune(self.nodes, result)
         # comments name the variables the code has: a dropped reshape by what it reshaped
         gone = {n.out for n in self.nodes if isinstance(n, Call)} - \
             {n.out for n in kept if isinstance(n, Call)}
@@ -435,38 +415,6 @@ _LETTERS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
 
 # what returns a view of its input (torch.einsum: a permuted view of a bmm's result)
 _VIEWS = {".reshape", ".permute", ".flip", "[]", "torch.einsum"}
-
-
-def _names(node: Node) -> set[str]:
-    """Every variable a node reads."""
-    found: set[str] = set()
-
-    def visit(arg: Any) -> None:
-        if isinstance(arg, Var):
-            found.add(arg.name)
-        elif isinstance(arg, Size):
-            found.update(arg.atoms())
-        elif isinstance(arg, (tuple, list)):
-            for a in arg:
-                visit(a)
-    if isinstance(node, Call):
-        visit(node.args)
-        visit([v for _, v in node.kwargs])
-    elif isinstance(node, CheckShape):
-        found.add(node.var)
-        visit([d for _, d in node.expected])
-    elif isinstance(node, Unpack):
-        found.add(node.var)
-    elif isinstance(node, Let):
-        visit(node.value)
-    elif isinstance(node, Require):
-        visit([node.value, node.divisor, list(node.message)])
-    elif isinstance(node, Bias):
-        found.add(node.var)
-        visit(node.shape)
-    elif isinstance(node, CompileCopy):
-        found.add(node.var)
-    return found
 
 
 def _same_shape(dims: Sequence[Size], shape: Sequence[Any]) -> bool:

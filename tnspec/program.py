@@ -12,8 +12,8 @@ from __future__ import annotations
 import builtins
 import keyword
 import re
-from dataclasses import dataclass
-from typing import Union
+from dataclasses import dataclass, replace
+from typing import Any, Union
 
 from .ir import Network
 from .shapes import Size
@@ -142,3 +142,66 @@ class Namer:
         self.used.add(name)
         self.names[key] = name
         return name
+
+
+# ---- passes over nodes --------------------------------------------------------------------
+
+def reads(node: Node) -> set[str]:
+    """Every variable a node reads."""
+    found: set[str] = set()
+
+    def visit(arg: Any) -> None:
+        if isinstance(arg, Var):
+            found.add(arg.name)
+        elif isinstance(arg, Size):
+            found.update(arg.atoms())
+        elif isinstance(arg, (tuple, list)):
+            for a in arg:
+                visit(a)
+    if isinstance(node, Call):
+        visit(node.args)
+        visit([v for _, v in node.kwargs])
+    elif isinstance(node, CheckShape):
+        found.add(node.var)
+        visit([d for _, d in node.expected])
+    elif isinstance(node, Unpack):
+        found.add(node.var)
+    elif isinstance(node, Let):
+        visit(node.value)
+    elif isinstance(node, Require):
+        visit([node.value, node.divisor, list(node.message)])
+    elif isinstance(node, Bias):
+        found.add(node.var)
+        visit(node.shape)
+    elif isinstance(node, CompileCopy):
+        found.add(node.var)
+    return found
+
+
+def prune(nodes: list[Node], result: str) -> tuple[list[Node], set[str]]:
+    """The nodes that ``result`` depends on (a :class:`Call` or :class:`Let` whose result is
+    unused is dropped; checks and the bias stay), and the variables they read."""
+    used, kept = {result}, []
+    for node in reversed(nodes):
+        if isinstance(node, (Call, Let)) and node.out not in used:
+            continue
+        if isinstance(node, Bias):
+            used.discard(node.out)
+        used |= reads(node)
+        kept.append(node)
+    kept.reverse()
+    return kept, used
+
+
+def rename(nodes: list[Node], old: str, new: str) -> list[Node]:
+    """``nodes`` with the variable ``old`` called ``new``, where it is made and where read."""
+    def swap(arg: Any) -> Any:
+        if isinstance(arg, Var):
+            return Var(new) if arg.name == old else arg
+        if isinstance(arg, (tuple, list)):
+            return type(arg)(swap(a) for a in arg)
+        return arg
+    return [replace(n, out=new if n.out == old else n.out, args=swap(n.args),
+                    kwargs=swap(n.kwargs)) if isinstance(n, Call) else
+            replace(n, var=new) if isinstance(n, CompileCopy) and n.var == old else n
+            for n in nodes]
