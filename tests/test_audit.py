@@ -78,3 +78,31 @@ def test_in_place_activations_are_audited_and_restored():
     assert [r["name"] for r in result.rows] == ["0", "2"]
     assert all(r["backward"] > 0 for r in result.rows)
     assert model[1].inplace and model[3].inplace
+
+
+class _Block(nn.Module):
+    def __init__(self, inplace: bool) -> None:
+        super().__init__()
+        self.inplace = inplace  # what audit used to switch off; a functional call has no flag
+        self.conv = nn.Conv2d(4, 4, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.conv(x)
+        return torch.nn.functional.relu(y, inplace=True) if self.inplace else y.relu()
+
+
+def test_a_functional_in_place_op_after_a_layer_is_audited_as_its_out_of_place_twin():
+    torch.manual_seed(0)
+    x = torch.randn(3, 4, 8, 8)
+    twin = nn.Sequential(_Block(False), _Block(False))
+    model = nn.Sequential(_Block(True), _Block(True))
+    model.load_state_dict(twin.state_dict())
+    measured, expected = tnspec.audit(model, x), tnspec.audit(twin, x)
+    assert [r["backward"] for r in measured.rows] == [r["backward"] for r in expected.rows]
+    # and the backward ratio is Var(dL/d input) / Var(dL/d conv output), the relu's mask in it
+    inp = x.clone().requires_grad_()
+    y = twin[0].conv(inp)
+    g = torch.autograd.grad(twin[1](y.relu()), (inp, y),
+                            torch.randn(3, 4, 8, 8, generator=torch.Generator().manual_seed(0)))
+    assert measured.rows[0]["backward"] == pytest.approx(float(g[0].double().var() /
+                                                               g[1].double().var()))

@@ -13,9 +13,8 @@ told apart from the theory.
 from __future__ import annotations
 
 import math
-import warnings
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -74,54 +73,53 @@ def audit(model: nn.Module, x: torch.Tensor, *, backward: bool = True,
     names = {m: n or type(m).__name__ for n, m in model.named_modules()}
     calls: dict[nn.Module, dict[str, Any]] = {}
     order: list[nn.Module] = []
+    grads: dict[nn.Module, dict[str, torch.Tensor]] = {}
     handles = []
 
-    def on_forward(module: nn.Module, inputs: tuple, output: Any) -> None:
+    def keep(module: nn.Module, which: str) -> Callable[[torch.Tensor], None]:
+        def hook(grad: torch.Tensor) -> None:
+            grads.setdefault(module, {}).setdefault(which, grad.detach())
+        return hook
+
+    # gradients are caught by hooks on the tensors themselves, not by full backward hooks on
+    # the modules: a tensor hook sees the gradient of the value it was registered on even when
+    # the tensor is then changed in place (nn.ReLU(inplace=True), F.relu(y, inplace=True))
+    def before(module: nn.Module, args: tuple) -> tuple | None:
+        at = next((k for k, a in enumerate(args) if isinstance(a, torch.Tensor)), None)
+        if not backward or module in calls or at is None or not args[at].requires_grad:
+            return None
+        alias = args[at].view_as(args[at])  # this module's own use of its input
+        alias.register_hook(keep(module, "in"))
+        return args[:at] + (alias,) + args[at + 1:]
+
+    def after(module: nn.Module, inputs: tuple, output: Any) -> None:
         x_in, y = _first_tensor(inputs), _first_tensor(output)
         if x_in is None or y is None or module in calls:
             return
         order.append(module)
         calls[module] = {"forward": _var(y) / _var(x_in), "backward": None}
+        if backward and y.requires_grad:
+            y.register_hook(keep(module, "out"))
 
-    def on_backward(module: nn.Module, grad_in: tuple, grad_out: tuple) -> None:
-        g_in, g_out = _first_tensor(grad_in), _first_tensor(grad_out)
-        if module in calls and g_in is not None and g_out is not None and \
-                calls[module]["backward"] is None:
-            calls[module]["backward"] = _var(g_in) / _var(g_out)
-
-    # full backward hooks cannot see through an in-place op on a hooked output: switch the
-    # modules' in-place flag off for the pass (the values are the same)
-    inplace = [m for m in model.modules() if getattr(m, "inplace", False) is True]
-    for m in inplace:
-        m.inplace = False
     for m in owners:
-        handles.append(m.register_forward_hook(on_forward))
-        if backward:
-            handles.append(m.register_full_backward_hook(on_backward))
+        handles.append(m.register_forward_pre_hook(before))
+        handles.append(m.register_forward_hook(after))
     generator = torch.Generator(device=x.device).manual_seed(seed)
     try:
-        with torch.enable_grad(), warnings.catch_warnings():
-            # a parameter-owning submodule that returns no tensor (a factorized weight) gets no
-            # backward hook call, which torch warns about; its caller is measured instead
-            warnings.filterwarnings("ignore", "For backward hooks to be called")
+        with torch.enable_grad():
             inp = x.detach().clone().requires_grad_(backward and x.is_floating_point())
             y = _first_tensor(model(inp))
-            if backward and y is not None:
+            if backward and y is not None and y.requires_grad:
                 g = torch.randn(y.shape, generator=generator, device=y.device, dtype=y.dtype)
                 params = [p for p in model.parameters() if p.requires_grad]
                 wrt = ([inp] if inp.requires_grad else []) + params
                 torch.autograd.grad(y, wrt, g, allow_unused=True)
-    except RuntimeError as exc:
-        if "modified inplace" not in str(exc):
-            raise
-        raise RuntimeError("audit's backward hooks met an in-place operation in the model's "
-                           "forward (e.g. F.relu(x, inplace=True)); run audit(..., "
-                           "backward=False) or make it out-of-place") from exc
     finally:
         for h in handles:
             h.remove()
-        for m in inplace:
-            m.inplace = True
+    for m, caught in grads.items():
+        if m in calls and "in" in caught and "out" in caught:
+            calls[m]["backward"] = _var(caught["in"]) / _var(caught["out"])
     called = set(order)
     rows = []
     for m in order:
