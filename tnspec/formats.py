@@ -24,17 +24,16 @@ import random as _random
 import warnings
 from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Sequence
 
+from . import axes
+from .axes import SPATIAL, IntOrTuple, Padding, Parts
 from .errors import SpecError
 from .settings import positive_int
 
 if TYPE_CHECKING:
     from .module import Layer
 
-IntOrTuple = int | Sequence[int]
 Rank = int | float | Sequence[int]
-Padding = int | Sequence[int] | str
 Modes = int | Sequence[int] | None
-SPATIAL = {1: ("h",), 2: ("h", "w"), 3: ("d", "h", "w")}
 
 
 class Format(NamedTuple):
@@ -49,38 +48,30 @@ class Format(NamedTuple):
         return layer(self.spec, sizes=self.sizes, **options)
 
 
-class _Parts(NamedTuple):
-    """What a format's cores are built from: input/output mode names, kernel names."""
+# --- the formats: each maps (Parts, rank names) to cores; ranks() says how many ranks ------
 
-    ins: list[str]
-    outs: list[str]
-    ks: list[str]
-
-
-# --- the formats: each maps (_Parts, rank names) to cores; ranks() says how many ranks ------
-
-def _standard(p: _Parts, r: list[str]) -> list[list[str]]:
+def _standard(p: Parts, r: list[str]) -> list[list[str]]:
     return [p.outs + p.ins + p.ks]
 
 
-def _low_rank(p: _Parts, r: list[str]) -> list[list[str]]:
+def _low_rank(p: Parts, r: list[str]) -> list[list[str]]:
     return [p.ins + p.ks + r, r + p.outs]
 
 
-def _cp(p: _Parts, r: list[str]) -> list[list[str]]:
+def _cp(p: Parts, r: list[str]) -> list[list[str]]:
     return [p.ins + r] + [[k] + r for k in p.ks] + [r + p.outs]
 
 
-def _tucker(p: _Parts, r: list[str]) -> list[list[str]]:
+def _tucker(p: Parts, r: list[str]) -> list[list[str]]:
     kr = r[2:]
     return [p.ins + r[:1]] + [[k, q] for k, q in zip(p.ks, kr)] + [r[:2] + kr, r[1:2] + p.outs]
 
 
-def _tucker2(p: _Parts, r: list[str]) -> list[list[str]]:
+def _tucker2(p: Parts, r: list[str]) -> list[list[str]]:
     return [p.ins + r[:1], r[:2] + p.ks, r[1:2] + p.outs]
 
 
-def _tt(p: _Parts, r: list[str]) -> list[list[str]]:
+def _tt(p: Parts, r: list[str]) -> list[list[str]]:
     """Garipov et al.: a kernel core, then one core per (input, output) mode pair."""
     cores = [p.ks + r[:1]] if p.ks else []
     rs = ([] if p.ks else [None]) + r + [None]
@@ -89,19 +80,19 @@ def _tt(p: _Parts, r: list[str]) -> list[list[str]]:
     return cores
 
 
-def _tr(p: _Parts, r: list[str]) -> list[list[str]]:
+def _tr(p: Parts, r: list[str]) -> list[list[str]]:
     """Wang et al.: input mode cores, a kernel core, output mode cores, on one ring."""
     legs = [[m] for m in p.ins] + ([p.ks] if p.ks else []) + [[m] for m in p.outs]
     return [[r[i], *leg, r[(i + 1) % len(r)]] for i, leg in enumerate(legs)]
 
 
-def _block_term(p: _Parts, r: list[str]) -> list[list[str]]:
+def _block_term(p: Parts, r: list[str]) -> list[list[str]]:
     """A sum over the last rank index n of full Tucker terms (n is a hyperedge)."""
     n = r[-1:]
     return [c + n for c in _tucker(p, r[:-1])]
 
 
-def _odd(p: _Parts, r: list[str]) -> list[list[str]]:
+def _odd(p: Parts, r: list[str]) -> list[list[str]]:
     """The Odd-like stand-in of examples/odd.tn: 9 cores, 14 rank edges."""
     (i0, i1), (o0, o1) = p.ins, p.outs
     return [[i0, r[0], r[1], r[13]], [r[0], r[2], r[3]], [i1, r[1], r[4], r[12]],
@@ -109,16 +100,16 @@ def _odd(p: _Parts, r: list[str]) -> list[list[str]]:
             [r[6], r[7], r[10], o0], [r[8], r[11], r[12]], [r[9], r[10], r[11], o1]]
 
 
-def _hypernet(p: _Parts, r: list[str]) -> list[list[str]]:
+def _hypernet(p: Parts, r: list[str]) -> list[list[str]]:
     return [p.ins + r] + ([p.ks + r] if p.ks else []) + [r + p.outs]
 
 
-def _separable(p: _Parts, r: list[str]) -> list[list[str]]:
+def _separable(p: Parts, r: list[str]) -> list[list[str]]:
     return [p.ins + p.ks, p.ins + p.outs]
 
 
-_Builder = Callable[[_Parts, list[str]], list[list[str]]]
-_FORMATS: dict[str, tuple[_Builder, Callable[[_Parts], int], str]] = {
+_Builder = Callable[[Parts, list[str]], list[list[str]]]
+_FORMATS: dict[str, tuple[_Builder, Callable[[Parts], int], str]] = {
     "standard": (_standard, lambda p: 0, "W"),
     "low_rank": (_low_rank, lambda p: 1, "UV"),
     "cp": (_cp, lambda p: 1, ""),
@@ -171,10 +162,12 @@ def build(format: str, in_channels: int, out_channels: int, kernel_size: IntOrTu
         raise SpecError(f"groups={groups} does not divide in_channels={in_channels} and "
                         f"out_channels={out_channels}", hint="as in nn.Conv2d")
     default_modes = {"tt": 2, "tr": 2, "odd": 2}.get(format, 1)
-    cin = _modes(in_channels // groups, default_modes if in_modes is None else in_modes, "in",
-                 chosen=in_modes is not None)
-    cout = _modes(out_channels // groups, default_modes if out_modes is None else out_modes,
-                  "out", chosen=out_modes is not None)
+    cin = axes.split_modes(in_channels // groups,
+                           default_modes if in_modes is None else in_modes, "in",
+                           chosen=in_modes is not None)
+    cout = axes.split_modes(out_channels // groups,
+                            default_modes if out_modes is None else out_modes, "out",
+                            chosen=out_modes is not None)
     if format == "tt" and len(cin) != len(cout):
         raise SpecError(f"tt pairs input and output modes, got {len(cin)} and {len(cout)}",
                         hint="give in_modes and out_modes of the same length")
@@ -183,8 +176,8 @@ def build(format: str, in_channels: int, out_channels: int, kernel_size: IntOrTu
                         hint="give in_modes and out_modes of length 2")
     if format == "depthwise_separable" and groups != 1:
         raise SpecError("depthwise_separable takes no groups", hint="leave groups=1")
-    x_axis, y_axis, spatial, sizes, parts = _geometry(cin, cout, kernel_size, stride, padding,
-                                                      dilation, groups)
+    x_axis, y_axis, spatial, sizes, parts = axes.geometry(cin, cout, kernel_size, stride,
+                                                          padding, dilation, groups)
     if format == "depthwise_separable" and not parts.ks:
         raise SpecError("depthwise_separable needs a kernel", hint="give kernel_size")
     ranks = ["r"] if count(parts) == 1 else [f"r{i}" for i in range(count(parts))]
@@ -229,83 +222,6 @@ def build(format: str, in_channels: int, out_channels: int, kernel_size: IntOrTu
                       f"{dense:,} of the dense layer it stands for; a float rank such as "
                       "rank=0.25 gives a share of the dense parameters", stacklevel=3)
     return fmt
-
-
-def _geometry(cin: list[int], cout: list[int], kernel_size: IntOrTuple, stride: IntOrTuple,
-              padding: IntOrTuple | str, dilation: IntOrTuple, groups: int
-              ) -> tuple[str, str, list[str], dict[str, int], _Parts]:
-    """Input/output channel axes, input spatial terms, sizes, and the mode and kernel names."""
-    ins = ["c"] if len(cin) == 1 else [f"c{i}" for i in range(len(cin))]
-    outs = ["o"] if len(cout) == 1 else [f"o{i}" for i in range(len(cout))]
-    sizes = dict(zip(ins, cin)) | dict(zip(outs, cout))
-    g = ["g"] if groups > 1 else []
-    x_axis = ins[0] if len(ins) + len(g) == 1 else f"({' '.join(g + ins)})"
-    y_axis = outs[0] if len(outs) + len(g) == 1 else f"({' '.join(g + outs)})"
-    kernel = (kernel_size,) * 2 if isinstance(kernel_size, int) else tuple(kernel_size)
-    dims = len(kernel)
-    if dims > 3 or any(k < 1 for k in kernel):
-        raise SpecError(f"kernel_size {kernel_size!r} is not 1 to 3 positive sizes",
-                        hint="e.g. 3, (3, 5) or (3,) for a 1-D conv; () for a linear layer")
-    strides, dilations = _per_dim(stride, dims, "stride"), _per_dim(dilation, dims, "dilation")
-    if padding == "same":
-        if any(s != 1 for s in strides) or any(d * (k - 1) % 2 for d, k in zip(dilations, kernel)):
-            raise SpecError("padding='same' needs stride 1 and an odd dilated kernel here",
-                            hint="tnspec pads both sides equally; give the padding as ints")
-        pads = tuple(d * (k - 1) // 2 for d, k in zip(dilations, kernel))
-    elif isinstance(padding, str):
-        raise SpecError(f"unknown padding {padding!r}", hint="give ints or 'same'")
-    else:
-        pads = _per_dim(padding, dims, "padding", minimum=0)
-    spatial, ks = [], []
-    for t, k, s, d, p in zip(SPATIAL.get(dims, ()), kernel, strides, dilations, pads):
-        term = (f"{s}*{t}" if s != 1 else t) + "+" + (f"{d}*k{t}" if d != 1 else f"k{t}")
-        spatial.append(term + (f"-{p}" if p else ""))
-        sizes[f"k{t}"] = k
-        ks.append(f"k{t}")
-    return x_axis, y_axis, spatial, sizes, _Parts(ins, outs, ks)
-
-
-def _per_dim(value: IntOrTuple, dims: int, what: str, minimum: int = 1) -> tuple[int, ...]:
-    values = (value,) * dims if isinstance(value, int) else tuple(value)
-    if len(values) != dims or any(not isinstance(v, int) or v < minimum for v in values):
-        raise SpecError(f"{what} {value!r} does not fit a {dims}-D kernel",
-                        hint=f"one int >= {minimum} or a tuple of {dims}")
-    return values
-
-
-def _modes(channels: int, modes: int | Sequence[int], side: str, chosen: bool = True
-           ) -> list[int]:
-    """``channels`` as a list of mode sizes: given, or split into ``modes`` near-equal ones.
-    A split that needs a mode of size 1 is refused when the user ``chosen`` the number of
-    modes, and said in a warning when it is the format's default (one channel is all 1s)."""
-    if not isinstance(modes, int):
-        if math.prod(modes) != channels:
-            raise SpecError(f"{side}_modes {tuple(modes)} multiply to {math.prod(modes)}, not "
-                            f"{channels}", hint="the modes' product is the channels per group")
-        return list(modes)
-    if modes == 1:
-        return [channels]
-    factors, n, f = [], channels, 2
-    while f * f <= n:  # prime factors, dealt largest first to the smallest mode
-        while n % f == 0:
-            factors.append(f)
-            n //= f
-        f += 1
-    if n > 1:
-        factors.append(n)
-    split = [1] * modes
-    for f in sorted(factors, reverse=True):
-        split[split.index(min(split))] *= f
-    if modes > 1 and 1 in split and channels > 1 and not chosen:
-        warnings.warn(f"{side}_channels={channels} has too few factors for {modes} modes: "
-                      f"using {tuple(sorted(split, reverse=True))}; give {side}_modes= to "
-                      "choose", stacklevel=4)
-    elif modes > 1 and 1 in split and channels > 1:
-        raise SpecError(f"{side}_channels={channels} has no split into {modes} modes above 1 "
-                        f"(factors: {', '.join(map(str, sorted(factors))) or 'none'})",
-                        hint=f"give {side}_modes=(...) explicitly, {side}_modes=1, or a channel "
-                        "count with more factors")
-    return sorted(split, reverse=True)
 
 
 def _fit(make: Callable[[int], Format], budget: float) -> Format:
