@@ -220,9 +220,15 @@ def test_layers_time_their_candidate_orders_once_and_keep_the_fastest_in_the_cac
     last.load_state_dict(layer.state_dict())
     torch.testing.assert_close(last(x.contiguous(memory_format=torch.channels_last)), y)
     assert len(timed) == 2 and layouts == [False, True]
+    # so is the same shape in the other layout on a layer that has run the first one
+    fresh = tnspec.layer(TUCKER2, c=16, o=16, r0=3, r1=3, kh=3, kw=3)
+    fresh(x)
+    fresh(x.contiguous(memory_format=torch.channels_last))
+    fresh(x.contiguous(memory_format=torch.channels_last))
+    assert layouts == [False, True, False, True] and len(fresh._classes) == 2
     monkeypatch.setenv(calibration.ENV_SWITCH, "0")
     tnspec.layer(TUCKER2, c=16, o=16, r0=2, r1=5, kh=3, kw=3)(x)
-    assert len(timed) == 2
+    assert len(timed) == 4
 
 
 def test_a_choice_is_timed_at_a_capped_batch():

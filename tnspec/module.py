@@ -85,10 +85,11 @@ class Layer(nn.Module):
         self._classes: OrderedDict[tuple[int, ...], type] = OrderedDict()
         self._last_class: type | None = None
         self._last_shape: torch.Size | None = None
+        self._last_stride: tuple[int, ...] | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()  # generated classes are rebuilt, not pickled
-        del state["_classes"], state["_last_class"], state["_last_shape"]
+        del state["_classes"], state["_last_class"], state["_last_shape"], state["_last_stride"]
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -268,8 +269,8 @@ class Layer(nn.Module):
                 # planning is plain Python that dynamo should not trace: it runs once, at
                 # trace time, as a constant (see _compilable_key)
                 cls = _COMPILABLE[_compilable_key(self)]
-            elif x.shape == self._last_shape:  # the hot path: the same shape again
-                cls = self._last_class
+            elif x.shape == self._last_shape and x.stride() == self._last_stride:
+                cls = self._last_class  # the hot path: the same shape and layout again
             else:
                 shape = tuple(x.shape)
                 if len(shape) == self._unbatched_dims:  # planned as a batch of one
@@ -278,7 +279,8 @@ class Layer(nn.Module):
                     x.is_contiguous(memory_format=torch.channels_last)
                 cls = self._class(shape, last)  # also keeps the cache's order LRU
                 # not through nn.Module.__setattr__, which is slow
-                self.__dict__.update(_last_class=cls, _last_shape=x.shape)
+                self.__dict__.update(_last_class=cls, _last_shape=x.shape,
+                                     _last_stride=x.stride())
             return cls.forward(self, x)
         except AttributeError:
             if isinstance(x, torch.Tensor):
