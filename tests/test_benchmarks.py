@@ -29,6 +29,15 @@ def test_speed_smoke_runs_and_cross_checks_against_the_libraries(capsys):
         assert library in out
 
 
+def test_profile_tables_name_the_operators_of_both_columns(capsys):
+    pytest.importorskip("tltorch", reason="tensorly-torch is in the test extra")
+    profile_ops = load("profile_ops")
+    assert profile_ops.main(["--formats", "cp", "--steps", "1", "--no-compile"]) == 0
+    out = capsys.readouterr().out
+    assert "| operator | tnspec | tltorch factorized |" in out
+    assert "| aten::convolution_backward |" in out and "**all operators**" in out
+
+
 def test_choosing_smoke_runs_every_format(capsys):
     choosing = load("choosing")
     assert choosing.main(["--smoke"]) == 0
