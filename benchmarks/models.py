@@ -88,7 +88,8 @@ def _pointwise(name: str, module: nn.Module) -> bool:
 
 def pair(name: str, share: float = 0.25) -> tuple[nn.Module, nn.Module, str]:
     """(dense, tensorized, what was tensorized) for ``name`` ("resnet18" or "mobilenet_v2"):
-    Tucker-2 at ``share`` of each selected layer's parameters (the same init seed)."""
+    each selected layer at ``share`` of its parameters, Tucker-2 for ResNet-18's 3x3 convs and
+    low-rank for MobileNetV2's 1x1 convs (the same init seed)."""
     build, fmt, select = {"resnet18": (resnet18, "tucker2", _spatial),
                           "mobilenet_v2": (mobilenet_v2, "low_rank", _pointwise)}[name]
     torch.manual_seed(0)

@@ -18,10 +18,10 @@ from .codegen import LayerCode, summary_line
 from .errors import SpecError
 from .ir import DEFAULT_MAX_BYTES, DEFAULT_MAX_ELEMENTS, Network
 from .lower import bias_shape, lower
-from .module import Layer, _positive
+from .module import Layer
 from .parse import parse
 from .plan import plan
-from .settings import option_value
+from .settings import option_value, positive_limit
 from .shapes import bind_shape, example_shape
 
 __all__ = ["compile", "compile_all", "contract", "example_shape", "generate", "layer"]
@@ -41,7 +41,7 @@ def compile(text: str, /, *, name: str | None = None,
     {'i': 4, 'o': 3}
     """
     return check(parse(text), layer=name, sizes=_merge(sizes, more_sizes),
-                 max_elements=_positive("max_elements", max_elements))
+                 max_elements=positive_limit("max_elements", max_elements))
 
 
 def _merge(sizes: Mapping[str, int] | None, more: Mapping[str, int]) -> dict[str, int]:
@@ -60,7 +60,7 @@ def compile_all(text: str, *, names: Sequence[str] | None = None,
     parameters of the layers that declare them (as ``--set``); a size no chosen layer declares
     is an error."""
     doc = parse(text)
-    limit = _positive("max_elements", max_elements)
+    limit = positive_limit("max_elements", max_elements)
     sizes = dict(sizes or {})
     chosen = list(names) if names else [lay.name for lay in doc.layers]
     unused = set(sizes) if doc.is_file else set()

@@ -18,23 +18,15 @@ import torch
 from torch import nn
 
 from . import calibration, decompose, runtime
-from .measure import size_class
 from .errors import SpecError
 from .ir import DEFAULT_MAX_BYTES, Network, Role
 from .lower import Program, bias_shape, lower
+from .measure import size_class
 from .plan import PLANNERS, Plan, plan
-from .settings import positive_int
+from .settings import positive_limit
 from .shapes import bind_shape, example_shape, geometry, nn_attributes
 
 __all__ = ["Layer"]
-
-
-def _positive(name: str, value: Any) -> int:
-    """A limit given from Python, checked: a positive int."""
-    if positive_int(value) is None:
-        raise SpecError(f"{name}={value!r} must be a positive int",
-                        hint="give a number of elements or bytes, e.g. 2**30")
-    return int(value)
 
 
 class Layer(nn.Module):
@@ -57,7 +49,7 @@ class Layer(nn.Module):
         self.spec = network.spec
         self.sizes = dict(network.sizes)
         self.planner = planner
-        self.max_bytes = _positive("max_bytes", max_bytes)
+        self.max_bytes = positive_limit("max_bytes", max_bytes)
         if planner not in PLANNERS:
             raise SpecError(f"unknown planner {planner!r}",
                             hint=f"choose one of {', '.join(sorted(PLANNERS))}")

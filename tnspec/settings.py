@@ -38,6 +38,14 @@ def positive_int(value: Any) -> int | None:
     return v if v > 0 else None
 
 
+def positive_limit(name: str, value: Any) -> int:
+    """A limit given from Python (``max_bytes=``, ``max_elements=``), checked: a positive int."""
+    if positive_int(value) is None:
+        raise SpecError(f"{name}={value!r} must be a positive int",
+                        hint="give a number of elements or bytes, e.g. 2**30")
+    return int(value)
+
+
 class SizeBinder:
     """Binds a layer's sizes: parameter defaults, then keyword overrides, then derived sizes in
     written order. ``bad`` collects names whose value was refused, so that they are not reported
