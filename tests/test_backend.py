@@ -50,6 +50,24 @@ def test_zoo_matches_dense_reference(fmt, dims, stride, pad, dilation):
     compare(module, torch.randn(2, *shape))
 
 
+TWO_D = [c for c in CASES if c[1] == 2]
+
+
+@pytest.mark.parametrize("fmt, dims, stride, pad, dilation", TWO_D,
+                         ids=["-".join(map(str, c)) for c in TWO_D])
+def test_zoo_channel_mixing_as_1x1_convs_in_both_layouts(fmt, dims, stride, pad, dilation,
+                                                         monkeypatch):
+    """At the zoo's sizes the cost model mixes channels by einsum; forced to 1x1 convs, a
+    contiguous input runs them 1-D over the flattened axes, a channels-last one 2-D."""
+    monkeypatch.setattr(tnspec.calibration, "chooser", lambda *a, **k: lambda step: "conv1x1")
+    text, sizes, shape = spec(fmt, dims, stride, pad, dilation)
+    torch.manual_seed(0)
+    module = tnspec.layer(text, dtype=torch.float64, **sizes)
+    x = torch.randn(2, *shape)
+    compare(module, x)
+    compare(module, x.contiguous(memory_format=torch.channels_last))
+
+
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
 def test_examples_match_dense_reference(path):
     text = path.read_text()

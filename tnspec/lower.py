@@ -24,17 +24,19 @@ from .program import (Arg, Bias, Call, CheckShape, CompileCopy, Let, Namer, Node
 from .shapes import Size, axis_text, conv_out, geometry
 
 
-def lower(plan: Plan) -> Program:
-    """The nodes that execute ``plan``'s order for any shape."""
-    return _Lowering(plan).program()
+def lower(plan: Plan, channels_last: bool = False) -> Program:
+    """The nodes that execute ``plan``'s order for any shape, laid out for a contiguous input
+    or, with ``channels_last``, a channels-last one (any layout computes the same)."""
+    return _Lowering(plan, channels_last).program()
 
 
 Shape = list  # of Size, or -1 for "the rest"
 
 
 class _Lowering:
-    def __init__(self, plan: Plan) -> None:
+    def __init__(self, plan: Plan, channels_last: bool = False) -> None:
         self.plan, self.net = plan, plan.network
+        self.channels_last = channels_last
         self.name = Namer()
         self.nodes: list[Node] = []
         self.static: dict[str, str] = {}  # variable -> index name, of sizes read from self
@@ -240,10 +242,14 @@ class _Lowering:
         by_source = {c.source: c for c in step.convs}
         convs = [by_source.get(i) for i in sp.spatial]
         batch = self.batch_dim(left, sp.batch)
+        lengths = [self.dim(left, i) for i in sp.spatial]
+        # a 1x1 conv over a contiguous input runs as a 1-D one over the flattened axes: the
+        # same kernel in eager mode, but Inductor wraps a 2-D 1x1 conv in copies of its input
+        flat = not step.convs and len(sp.spatial) > 1 and not self.channels_last
         x = self.arrange(left, sp.batch + sp.groups + sp.inputs + sp.spatial,
                          [batch, self.product(sp.groups + sp.inputs)] +
-                         [self.dim(left, i) for i in sp.spatial])
-        if len(sp.spatial) == 2 and self.made_by.get(x) in _VIEWS:
+                         ([math.prod(lengths, start=Size.of(1))] if flat else lengths))
+        if len(sp.spatial) == 2 and not flat and self.made_by.get(x) in _VIEWS:
             self.nodes.append(CompileCopy(
                 x.name, "Inductor fails on a 4-D view saved for a conv's backward once shapes "
                         "are dynamic (pytorch/pytorch#185510); under torch.compile the conv "
@@ -251,7 +257,8 @@ class _Lowering:
         kernels = [str(c.kernel) for c in convs if c]
         w = self.arrange(right, sp.groups + sp.outputs + sp.inputs + tuple(kernels),
                          [self.product(sp.groups + sp.outputs), self.product(sp.inputs)] +
-                         [self.size(str(c.kernel)) if c else Size.of(1) for c in convs])
+                         ([Size.of(1)] if flat else
+                          [self.size(str(c.kernel)) if c else Size.of(1) for c in convs]))
         targets = [c.target if c else i for c, i in zip(convs, sp.spatial)]
         # explicit padding where the output size is given (backward networks) or the data was
         # spread: PyTorch's symmetric padding would not produce exactly that size
@@ -285,8 +292,8 @@ class _Lowering:
         lengths = [self.size(c.target) if c else self.dim(left, i)  # a 1x1 axis keeps its
                    for c, i in zip(convs, sp.spatial)]                 # (maybe spread) length
         dims = [Size.of(0) if batch == -1 else batch, self.product(sp.groups + sp.outputs)] + \
-            lengths
-        y = self.call(base + "_conv", f"F.conv{len(sp.spatial)}d", x, w, layout=("",) * len(dims),
+            ([math.prod(lengths, start=Size.of(1))] if flat else lengths)
+        y = self.call(base + "_conv", f"F.conv{len(dims) - 2}d", x, w, layout=("",) * len(dims),
                       dims=dims, comment=f"{kind}, {step.flops:,} FLOPs: {what}", **kwargs)
         y = self.reshape_to(y, natural, [self.dim(left, i) for i in sp.batch] +
                             [self.size(i) for i in sp.groups + sp.outputs] + lengths, base)

@@ -108,9 +108,9 @@ class Layer(nn.Module):
         where = (first.device, first.dtype) if first is not None else ("cpu", torch.float32)
         return dict(model=calibration.cost_model(*where), choose=calibration.chooser(*where))
 
-    def program(self, shape: Sequence[int]) -> Program:
-        """The lowered program for an input of ``shape``."""
-        return lower(self.plan(shape))
+    def program(self, shape: Sequence[int], channels_last: bool = False) -> Program:
+        """The lowered program for an input of ``shape`` (laid out channels-last if asked)."""
+        return lower(self.plan(shape), channels_last)
 
     def dense_weight(self) -> torch.Tensor:
         """The equivalent dense weight, differentiable in the cores: ``(out, in // groups,
@@ -159,7 +159,8 @@ class Layer(nn.Module):
         if key in classes:
             classes.move_to_end(key)
             return classes[key]
-        cls = self._fastest(shape, channels_last) if self._tunes() else self._planned(shape)
+        cls = self._fastest(shape, channels_last) if self._tunes() else \
+            self._planned(shape, channels_last)
         classes[key] = cls
         while len(classes) > self.plan_cache_size:
             classes.popitem(last=False)
@@ -175,8 +176,8 @@ class Layer(nn.Module):
         first = next(self.parameters(), None)
         return first is not None and calibration.measures(first.device)
 
-    def _planned(self, shape: tuple[int, ...]) -> type:
-        return runtime.layer_class(self.network, self.plan(shape))
+    def _planned(self, shape: tuple[int, ...], channels_last: bool = False) -> type:
+        return runtime.layer_class(self.network, self.plan(shape), channels_last)
 
     def _compilable_class(self) -> type:
         """The class a ``torch.compile``-d call traces: the one the last eager call ran, or,
@@ -211,7 +212,8 @@ class Layer(nn.Module):
                 continue
             key = repr(tuple((s.left.indices, s.right.indices, s.op) for s in candidate.steps))
             if key not in candidates:
-                candidates[key] = runtime.layer_class(self.network, candidate)
+                candidates[key] = runtime.layer_class(self.network, candidate,
+                                                      channels_last)
         if len(candidates) == 1:
             return next(iter(candidates.values()))
         first = next(iter(self.parameters()))

@@ -42,10 +42,11 @@ def load_class(source: str, name: str) -> type:
     return cls
 
 
-def layer_class(network: Network, plan: Plan | None) -> type:
-    """The generated class of one layer, with the ``forward`` of ``plan`` when one is given."""
+def layer_class(network: Network, plan: Plan | None, channels_last: bool = False) -> type:
+    """The generated class of one layer, with the ``forward`` of ``plan`` (laid out for a
+    channels-last input if asked) when one is given."""
     layer = codegen.LayerCode(network, None) if plan is None else \
-        codegen.LayerCode(network, lower(plan), codegen.summary_line(plan))
+        codegen.LayerCode(network, lower(plan, channels_last), codegen.summary_line(plan))
     source = codegen.generate([layer])
     return load_class(source, codegen.class_name(network))
 
