@@ -158,13 +158,20 @@ def _zoo_model(tmp_path, monkeypatch, kind: str) -> torch.nn.Module:
     return torch.nn.Sequential(*[m for layer in layers for m in (layer, torch.nn.ReLU())])
 
 
-@pytest.mark.parametrize("kind", ["inline", "generated"])
+@pytest.mark.parametrize("kind", ["inline", "generated", "inline 1x1",
+                                  "inline 1x1 channels_last"])
 def test_default_torch_compile_of_every_lowering_pattern_across_sizes(tmp_path, monkeypatch,
                                                                       kind):
     """Default torch.compile (Inductor; dynamic shapes from the second size on) of inline and
-    generated layers matches eager, forward and backward, at 4 spatial and batch sizes."""
+    generated layers matches eager, forward and backward, at 4 spatial and batch sizes. At
+    these sizes the cost model mixes channels by einsum; "1x1" forces 1x1 convs, 1-D over the
+    flattened axes for a contiguous input, 2-D for a channels-last one."""
     torch._dynamo.reset()
-    model = _zoo_model(tmp_path, monkeypatch, kind)
+    last = kind.endswith("channels_last")
+    if "1x1" in kind:
+        monkeypatch.setattr(tnspec.calibration, "chooser",
+                            lambda *a, **k: lambda step: "conv1x1")
+    model = _zoo_model(tmp_path, monkeypatch, kind.split()[0])
     if kind == "generated":  # the patterns above are all there (built-in cost model)
         assert "torch.einsum('abcd,be->aecd', x" in generate(ZOO)
     compiled = torch.compile(model)
@@ -173,6 +180,8 @@ def test_default_torch_compile_of_every_lowering_pattern_across_sizes(tmp_path, 
     with torch._inductor.config.patch(force_disable_caches=True):
         for shape in ((2, 8, 16, 16), (2, 8, 12, 12), (3, 8, 20, 20), (5, 8, 9, 7)):
             x = torch.randn(shape)
+            if last:
+                x = x.contiguous(memory_format=torch.channels_last)
             model.zero_grad()
             model(x).square().sum().backward()
             eager = [p.grad.clone() for p in model.parameters()]
@@ -182,6 +191,9 @@ def test_default_torch_compile_of_every_lowering_pattern_across_sizes(tmp_path, 
             out.square().sum().backward()
             for p, g in zip(model.parameters(), eager):
                 torch.testing.assert_close(p.grad, g, rtol=1e-3, atol=1e-4)
+    if "1x1" in kind:
+        source = "".join(tnspec.runtime.source_of(m._last_class.forward) for m in model[::2])
+        assert ("F.conv1d" in source) is not last and "1x1 conv" in source
 
 
 def test_the_compile_plan_is_a_dynamo_constant_and_not_made_at_construction():
@@ -264,3 +276,40 @@ def test_distributed_data_parallel_keeps_ranks_identical(tmp_path):
     for key in a:
         assert torch.equal(a[key], b[key]), key
     assert any(not torch.equal(a[k], v) for k, v in before.items())
+
+
+HYPER = ("x[b, c, h+kh-1, w+kw-1], U[c, r0, phi], G[r0, r1, kh, kw, phi], V[r1, o, phi] "
+         "-> y[b, o, h, w]")
+
+
+@pytest.mark.parametrize("kind", ["inline", "generated"])
+def test_model_to_channels_last_converts_around_a_5d_core(tmp_path, kind):
+    """model.to(memory_format=torch.channels_last), the usual recipe, converts every 4-D and
+    5-D tensor and raised on a 5-D core; cores now keep their layout and take the dtype."""
+    sizes = dict(c=8, o=8, r0=3, r1=3, kh=3, kw=3, phi=2)
+    torch.manual_seed(0)
+    if kind == "inline":
+        layer = tnspec.layer(HYPER, **sizes)
+    else:
+        path = tmp_path / "hyper_layer.py"
+        path.write_text(generate(HYPER, **sizes))
+        assert "def _apply(self, fn, recurse=True):" in path.read_text()
+        spec = importlib.util.spec_from_file_location("hyper_layer", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        layer = module.TensorNetworkLayer()
+    model = torch.nn.Sequential(layer, torch.nn.Conv2d(8, 8, 3, padding=1))
+    x = torch.randn(2, 8, 10, 10)
+    want = model(x)
+    model.to(memory_format=torch.channels_last)
+    assert model[1].weight.is_contiguous(memory_format=torch.channels_last)
+    assert layer.G.is_contiguous() and layer.G.shape == (3, 3, 3, 3, 2)
+    torch.testing.assert_close(model(x.contiguous(memory_format=torch.channels_last)), want)
+    model.to(torch.float64)
+    assert layer.G.dtype == torch.float64 and isinstance(layer.G, torch.nn.Parameter)
+    assert model(x.double()).dtype == torch.float64
+
+
+def test_only_a_core_that_model_to_would_fail_on_gets_an_apply():
+    assert "_apply" in generate(TEXT)  # HTK2's 5-D core
+    assert "_apply" not in generate((EXAMPLES[0].parent / "tucker2.tn").read_text())  # 4-D

@@ -107,7 +107,7 @@ class _Class:
             doc += [f"{INDENT}        {part}" for part in parts[1:]]
             doc[-1] += ")"
         doc.append("")
-        body = self.init() + [""] + self.reset() + [""] + self.extra_repr()
+        body = self.init() + [""] + self.reset() + [""] + self.extra_repr() + self.apply()
         if self.p is not None:
             body += [""] + self.forward()
         return doc + body
@@ -154,6 +154,21 @@ class _Class:
         i2 = INDENT * 2
         return [f"{INDENT}def extra_repr(self) -> str:",
                 f"{i2}return ', '.join(f'{{k}}={{v}}' for k, v in self.sizes.items())"]
+
+    def apply(self) -> list[str]:
+        """``_apply`` where ``model.to(memory_format=...)`` would fail on a core: one of rank 4
+        or 5 other than the data's (channels_last on a 5-D core of a 2-D conv)."""
+        data = len(self.net.input.axes)
+        if not any(len(c.indices) in (4, 5) and len(c.indices) != data for c in self.net.cores):
+            return []
+        i2, i3 = INDENT * 2, INDENT * 3
+        return ["", f"{INDENT}def _apply(self, fn, recurse=True):",
+                f"{i2}# model.to(memory_format=torch.channels_last) converts every 4-D and 5-D",
+                f"{i2}# tensor and fails on a rank the format does not fit; a core is no image,",
+                f"{i2}# so it is converted flat: its device and dtype change, its layout does not",
+                f"{i2}def flat(t):",
+                f"{i3}return fn(t.reshape(-1)).view(t.shape) if t.dim() in (4, 5) else fn(t)",
+                f"{i2}return super()._apply(flat, recurse)"]
 
     # ---- reset_parameters -------------------------------------------------------------------
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
@@ -281,6 +281,14 @@ class Layer(nn.Module):
                 raise
             raise TypeError(f"{type(self).__name__} takes a torch.Tensor, not "
                             f"{type(x).__name__}; convert it with torch.as_tensor(x)") from None
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Layer:
+        # model.to(memory_format=torch.channels_last) converts every 4-D and 5-D tensor and
+        # fails on a rank the format does not fit (a 5-D core); a core is no image, so it is
+        # converted flat: its device and dtype change, its layout does not
+        def flat(t: torch.Tensor) -> torch.Tensor:
+            return fn(t.reshape(-1)).view(t.shape) if t.dim() in (4, 5) else fn(t)
+        return super()._apply(flat, recurse)
 
     def extra_repr(self) -> str:
         opts = self.network.options
