@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 
 import pytest
+import torch
 
 from .conftest import ROOT
 
@@ -17,5 +18,9 @@ def test_readme_has_examples():
 
 @pytest.mark.parametrize("code", BLOCKS, ids=[f"block{i}" for i in range(len(BLOCKS))])
 def test_readme_block_runs(code, tmp_path, monkeypatch):
+    """Each block runs as a fresh program would: dynamo forgets the frames earlier tests
+    compiled (after test_integration's compile tests, the fullgraph=True block here found "no
+    compiled frames" unless dynamo was reset)."""
     monkeypatch.chdir(ROOT)
+    torch._dynamo.reset()
     exec(compile(code, "README.md", "exec"), {"__name__": "readme"})
