@@ -168,7 +168,7 @@ class _Class:
                 f"{i2}# so it is converted flat: its device and dtype change, its layout does not",
                 f"{i2}def flat(t):",
                 f"{i3}return fn(t.reshape(-1)).view(t.shape) if t.dim() in (4, 5) else fn(t)",
-                f"{i2}return super()._apply(flat, recurse)"]
+                f"{i2}return nn.Module._apply(self, flat, recurse)  # tnspec.Layer runs it too"]
 
     # ---- reset_parameters -------------------------------------------------------------------
 

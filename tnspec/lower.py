@@ -242,13 +242,13 @@ class _Lowering:
         by_source = {c.source: c for c in step.convs}
         convs = [by_source.get(i) for i in sp.spatial]
         batch = self.batch_dim(left, sp.batch)
-        lengths = [self.dim(left, i) for i in sp.spatial]
+        spatial = [self.dim(left, i) for i in sp.spatial]
         # a 1x1 conv over a contiguous input runs as a 1-D one over the flattened axes: the
         # same kernel in eager mode, but Inductor wraps a 2-D 1x1 conv in copies of its input
         flat = not step.convs and len(sp.spatial) > 1 and not self.channels_last
         x = self.arrange(left, sp.batch + sp.groups + sp.inputs + sp.spatial,
                          [batch, self.product(sp.groups + sp.inputs)] +
-                         ([math.prod(lengths, start=Size.of(1))] if flat else lengths))
+                         ([math.prod(spatial, start=Size.of(1))] if flat else spatial))
         if len(sp.spatial) == 2 and not flat and self.made_by.get(x) in _VIEWS:
             self.nodes.append(CompileCopy(
                 x.name, "Inductor fails on a 4-D view saved for a conv's backward once shapes "

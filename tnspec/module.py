@@ -283,12 +283,10 @@ class Layer(nn.Module):
                             f"{type(x).__name__}; convert it with torch.as_tensor(x)") from None
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Layer:
-        # model.to(memory_format=torch.channels_last) converts every 4-D and 5-D tensor and
-        # fails on a rank the format does not fit (a 5-D core); a core is no image, so it is
-        # converted flat: its device and dtype change, its layout does not
-        def flat(t: torch.Tensor) -> torch.Tensor:
-            return fn(t.reshape(-1)).view(t.shape) if t.dim() in (4, 5) else fn(t)
-        return super()._apply(flat, recurse)
+        # the generated _apply where the layer has one: cores that model.to(memory_format=...)
+        # would fail on are converted flat (see codegen)
+        own = vars(runtime.layer_class(self.network, None)).get("_apply")
+        return own(self, fn, recurse) if own else super()._apply(fn, recurse)
 
     def extra_repr(self) -> str:
         opts = self.network.options
