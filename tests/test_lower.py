@@ -115,3 +115,18 @@ def test_a_pointwise_layer_mixes_channels_with_a_1x1_conv_across_its_plain_axes(
     weight = torch.einsum("aor,rcp->opac", layer.A, layer.B).reshape(96, 96)
     want = torch.einsum("oc,bchw->bohw", weight, x) + layer.bias.reshape(1, 96, 1, 1)
     torch.testing.assert_close(layer(x), want, rtol=1e-4, atol=1e-4)
+
+
+
+def test_the_last_conv_gives_the_output_channels_in_the_outputs_order():
+    """A core (or a kernel built among cores) may hold the output modes in any order; the
+    kernel is permuted (small), never the conv's output (data-sized)."""
+    layer = tnspec.layer("x[b, c, h+kh-1, w+kw-1], W[o1, o0, c, kh, kw] -> y[b, (o0 o1), h, w]",
+                         c=4, o0=2, o1=3, kh=3, kw=3)
+    nodes = [n for n in layer.program((2, 4, 10, 10)).nodes if isinstance(n, Call)]
+    conv = next(k for k, n in enumerate(nodes) if n.fn == "F.conv2d")
+    assert [n.fn for n in nodes[conv + 1:]] in ([], [".reshape"])
+    x = torch.randn(2, 4, 10, 10)
+    want = torch.nn.functional.conv2d(x, layer.dense_weight(), layer.bias.reshape(-1),
+                                      padding=1)
+    torch.testing.assert_close(layer(x), want, rtol=1e-4, atol=1e-5)

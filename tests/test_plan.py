@@ -143,3 +143,18 @@ def test_a_network_that_needs_an_outer_product_is_planned():
     expected = torch.einsum("bc,co,q->boq", x, layer.A, layer.S)
     torch.testing.assert_close(layer(x), expected)
     assert [str(s.right) for s in layer.plan((5, 4)).steps] == ["A[c, o]", "S[q]"]
+
+
+def test_dense_first_builds_the_kernel_in_the_cheapest_order_among_cores():
+    """Walking a ring core by core makes intermediates that carry both ends of the ring
+    (53 MFLOPs here); dense-first contracts the cores in their cheapest order, then runs
+    one step with the data."""
+    ring = ("x[b, (c0 c1 c2), h+kh-1, w+kw-1], A0[r0, c0, r1], A1[r1, c1, r2], "
+            "A2[r2, c2, r3], K[r3, kh, kw, r4], B0[r4, o0, r5], B1[r5, o1, r6], B2[r6, o2, r0] "
+            "-> y[b, (o0 o1 o2), h, w]")
+    sizes = dict(c0=4, c1=4, c2=6, o0=4, o1=4, o2=6, kh=3, kw=3,
+                 **{f"r{i}": 10 for i in range(7)})
+    p = planned(ring, (2, 96, 10, 10), "dense-first", **sizes)
+    assert [s.data_side for s in p.steps] == [False] * 6 + [True]
+    among_cores = sum(s.flops for s in p.steps if not s.data_side)
+    assert among_cores < 20_000_000, among_cores

@@ -4,7 +4,8 @@
 ``dp`` is exact under the conv-aware cost (vectorized: the 10-operand Odd network in a few
 ms; ``opt-dp`` runs opt_einsum's DP under the same cost, a merge at a time, to the same
 orders); ``greedy`` is opt_einsum's, for networks too large for an exact search;
-``dense-first`` and ``left-to-right`` are the two fixed orders other libraries use; and
+``dense-first`` (the kernel first, as reconstructing libraries do, the cores in their cheapest
+order) and ``left-to-right`` (einconv's order) are the orders other libraries use; and
 ``auto`` takes the cheapest of them.
 """
 
@@ -41,6 +42,14 @@ def dynamic_programming(problem: Problem) -> Path:
     (3^n candidate merges, all priced in one vectorized call). Merges of groups that share
     no index are considered only when the network has no order without them."""
     n = len(problem.operands)
+    parts = _cheapest(problem, (1 << n) - 1)
+    return _path(n, parts) if parts else []  # [] replays as "no path"
+
+
+def _cheapest(problem: Problem, group: int) -> Callable[[int], tuple[int, int]] | None:
+    """The cheapest split of ``group`` and of each group inside it (the DP's table), or None
+    when it has no allowed order."""
+    n = len(problem.operands)
     a, b, levels = _splits(n)
     seconds, _, _ = problem.price(a.astype(problem.dtype), b.astype(problem.dtype))
     plain = problem.plain_masks(problem.array(range(1 << n)))
@@ -52,14 +61,14 @@ def dynamic_programming(problem: Problem) -> Path:
         split = np.zeros(1 << n, dtype=np.int64)
         for lo, hi in levels:  # groups of k operands after all groups of fewer
             total = best[a[lo:hi]] + best[b[lo:hi]] + allowed[lo:hi]
-            group = whole[lo:hi]
-            order = np.lexsort((total, group))  # cheapest split first within each group
-            first = order[np.r_[True, group[order][1:] != group[order][:-1]]]
-            best[group[first]] = total[first]
-            split[group[first]] = lo + first
-        if best[-1] < np.inf:
-            return _path(n, lambda s: (int(a[split[s]]), int(b[split[s]])))
-    return []  # replays as "no path"
+            groups = whole[lo:hi]
+            order = np.lexsort((total, groups))  # cheapest split first within each group
+            first = order[np.r_[True, groups[order][1:] != groups[order][:-1]]]
+            best[groups[first]] = total[first]
+            split[groups[first]] = lo + first
+        if best[group] < np.inf:
+            return lambda s: (int(a[split[s]]), int(b[split[s]]))
+    return None
 
 
 @register("opt-dp")
@@ -143,11 +152,16 @@ def greedy_plain(problem: Problem) -> Path:
 
 @register("dense-first")
 def dense_first(problem: Problem) -> Path:
-    """Contract all cores, left to right, into the dense kernel; then one step with the data."""
-    n = len(problem.operands)  # a result goes to the end of the list, the data stays first
+    """Contract all cores into the dense kernel, in the cheapest order among cores (a ring
+    split in two halves, not walked around); then one step with the data."""
+    n = len(problem.operands)  # the data is operand 0
     if n == 2:
         return [(0, 1)]
-    return [(1, 2)] + [(1, m - 1) for m in range(n - 1, 2, -1)] + [(0, 1)]
+    cores = (1 << n) - 2
+    parts = _cheapest(problem, cores)
+    if parts is None:  # left to right, each result going to the end of the list
+        return [(1, 2)] + [(1, m - 1) for m in range(n - 1, 2, -1)] + [(0, 1)]
+    return _path(n, lambda s: (1, cores) if s == cores | 1 else parts(s))
 
 
 @register("left-to-right")

@@ -298,13 +298,14 @@ class Problem:
             if data_side and not spatial and not any(i in R and i in res for i in L):
                 return "linear", Split(tuple(i for i in L if i not in R),
                                        inputs=tuple(i for i in L if i in R),
-                                       outputs=tuple(i for i in R if i not in L))
+                                       outputs=tuple(i for i in result.indices if i not in L))
             return "einsum", Split()
         kernels = {str(c.kernel) for c in convs}
         split = Split(batch=tuple(i for i in L if i not in R and i not in spatial),
                       groups=tuple(i for i in L if i in R and i in res),
                       inputs=tuple(i for i in L if i in R and i not in res),
-                      outputs=tuple(i for i in R if i not in L and i not in kernels),
+                      outputs=tuple(i for i in result.indices
+                                    if i in R and i not in L and i not in kernels),
                       spatial=tuple(spatial))
         return ("conv" if convs else "conv1x1"), split
 
@@ -339,7 +340,9 @@ class Problem:
                      kept: Sequence[str], data_side: bool) -> tuple[str, ...]:
         """Layout of a step's result (the set ``kept``). On the data side: (batch, groups, out
         channels, spatial), as a grouped convolution produces it, so that a chain of such
-        steps never moves the data; among cores: left's order, then right's."""
+        steps never moves the data; among cores: left's order, then right's. Output channels
+        come in the network output's order: that permutes the core side (small), where the
+        core side's own order would make the last step permute the whole output."""
         kept_set = set(kept)
         if not data_side:
             return tuple(i for i in dict.fromkeys(chain(left.indices, right.indices))
@@ -349,4 +352,6 @@ class Problem:
         batch = [i for i in left.indices if i not in right.indices and i not in self.spatial]
         groups = [i for i in left.indices if i in right.indices and i in kept_set]
         outs = [i for i in right.indices if i not in left.indices and i in kept_set]
+        position = {i: n for n, i in enumerate(self.net.output.indices)}
+        outs.sort(key=lambda i: position.get(i, len(position)))
         return tuple(batch + groups + outs + spatial)
