@@ -6,8 +6,8 @@ their indices), so one Program serves every input shape and every constructor si
 
 The planner has decided each step's op and axis split; lowering only names variables, arranges
 operands into the layout the op wants (a permute where the order differs, a reshape where the
-shape does) and emits. Reshapes of reshapes collapse and unused nodes are dropped, so the code
-moves the data only where it must.
+shape does; ``program.Builder`` tracks every variable's layout) and emits. Reshapes of
+reshapes collapse and unused nodes are dropped, so the code moves the data only where it must.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from typing import Any, Sequence
 
 from .ir import Network, Role
 from .plan import Plan, Step
-from .program import (Arg, Bias, Call, CheckShape, CompileCopy, Let, Namer, Node, Param,
-                      Program, Require, Unpack, Var, prune, rename)
+from .program import (Arg, Bias, Builder, Call, CheckShape, CompileCopy, Let, Param, Program,
+                      Require, Unpack, Var, prune, rename)
 from .shapes import Size, axis_text, conv_out, geometry
 
 
@@ -30,84 +30,12 @@ def lower(plan: Plan, channels_last: bool = False) -> Program:
     return _Lowering(plan, channels_last).program()
 
 
-Shape = list  # of Size, or -1 for "the rest"
-
-
-class _Lowering:
+class _Lowering(Builder):
     def __init__(self, plan: Plan, channels_last: bool = False) -> None:
-        self.plan, self.net = plan, plan.network
+        super().__init__(plan.network)
+        self.plan = plan
         self.channels_last = channels_last
-        self.name = Namer()
-        self.nodes: list[Node] = []
-        self.static: dict[str, str] = {}  # variable -> index name, of sizes read from self
         self.var: dict[str, Var | Param] = {}  # plan operand -> what holds it now
-        self.layout: dict[Var | Param, tuple[str, ...]] = {}  # index names of its axes
-        self.dims: dict[Var | Param, tuple[Size, ...]] = {}  # its shape
-        self.reshaped: dict[Var, Var | Param] = {}  # a reshape's result -> its source
-        self.made_by: dict[Var, str] = {}  # the callable that made each variable
-
-    # ---- sizes ------------------------------------------------------------------------------
-
-    def size(self, index: str) -> Size:
-        """The symbol of an index's size: read from the data, or from the module's sizes."""
-        if self.net.index(index).runtime:
-            c = self.net.conv_of(index)  # an affine source h+kh-1 is read as h_in
-            base = c.target + "_in" if c and index == c.source and not index.isidentifier() \
-                else index
-            return Size.of(self.name("size:" + index, base))
-        formula = dict(self.net.derived).get(index)
-        if formula is not None and formula[0] == "int":  # a derived constant: folded
-            return Size.of(formula[1])
-        var = self.name("size:" + index, index)
-        self.static[var] = index
-        return Size.of(var)
-
-    def product(self, indices: Sequence[str]) -> Size:
-        return math.prod((self.size(i) for i in indices), start=Size.of(1))
-
-    def dim(self, holder: Var | Param, index: str) -> Size:
-        """The current length of ``index``'s axis in ``holder`` (a spread axis is longer)."""
-        return self.dims[holder][self.layout[holder].index(index)]
-
-    # ---- emitting ---------------------------------------------------------------------------
-
-    def call(self, base: str, fn: str, *args: Arg, layout: tuple[str, ...],
-             dims: Sequence[Size], comment: str = "", **kwargs: Arg) -> Var:
-        out = Var(self.name(f"tensor:{len(self.nodes)}", base))
-        self.nodes.append(Call(out.name, fn, args, tuple(kwargs.items()), comment))
-        self.made_by[out] = fn
-        self.layout[out], self.dims[out] = tuple(layout), tuple(dims)
-        return out
-
-    def arrange(self, holder: Var | Param, order: Sequence[str], shape: Shape) -> Var | Param:
-        """``holder`` permuted into ``order`` and reshaped to ``shape``, each only if needed."""
-        layout = self.layout[holder]
-        base = holder.name
-        if list(layout) != list(order):
-            perm = tuple(layout.index(i) for i in order)
-            holder = self.call(base + "_p", ".permute", holder, *perm, layout=tuple(order),
-                               dims=[self.dims[holder][p] for p in perm])
-        return self.reshape_to(holder, order, shape, base + "_r")
-
-    def batch_dim(self, holder: Var | Param, batch: Sequence[str]) -> Size | int:
-        """The flattened batch axis of a conv's input: the axis itself when there is one,
-        else -1 (torch infers it)."""
-        if len(batch) > 1:
-            return -1
-        return self.dim(holder, batch[0]) if batch else Size.of(1)
-
-    def reshape_to(self, holder: Var | Param, layout: Sequence[str], shape: Shape,
-                   base: str) -> Var | Param:
-        """``holder`` reshaped to ``shape`` unless it has that shape; a reshape of a reshape
-        reshapes the original instead."""
-        if _same_shape(self.dims[holder], list(shape)):
-            self.layout[holder] = tuple(layout)
-            return holder
-        source = self.reshaped.get(holder, holder) if isinstance(holder, Var) else holder
-        out = self.call(base, ".reshape", source, *shape, layout=tuple(layout),
-                        dims=[Size.of(0) if d == -1 else d for d in shape])
-        self.reshaped[out] = source
-        return out
 
     # ---- the program ------------------------------------------------------------------------
 
@@ -233,6 +161,13 @@ class _Lowering:
         else:
             out = self.einsum(step, left, right, base, what)
         self.var[step.result.name] = out
+
+    def batch_dim(self, holder: Var | Param, batch: Sequence[str]) -> Size | int:
+        """The flattened batch axis of a conv's input: the axis itself when there is one,
+        else -1 (torch infers it)."""
+        if len(batch) > 1:
+            return -1
+        return self.dim(holder, batch[0]) if batch else Size.of(1)
 
     def conv(self, step: Step, left: Var | Param, right: Var | Param, base: str,
              what: str) -> Var:
@@ -361,15 +296,6 @@ class _Lowering:
         holder = self.reshape_to(merged, flat, [by_index[i] for i in flat], base + "_r")
         return self.arrange(holder, out, dims)
 
-    def merged(self, holder: Var | Param, classes: list[list[str]]) -> Var | Param:
-        """``holder`` permuted and reshaped so that each non-empty class is one axis."""
-        classes = [c for c in classes if c]
-        flat = [i for c in classes for i in c]
-        holder = self.arrange(holder, flat, [self.dim(holder, i) for i in flat])
-        return self.reshape_to(holder, [axis_text(c) for c in classes],
-                               [math.prod((self.dim(holder, i) for i in c), start=Size.of(1))
-                                for c in classes], holder.name + "_m")
-
     def epilogue(self, out_name: str) -> str:
         """Permute the last result into the output's order, merge its groups, add the bias."""
         net = self.net
@@ -422,13 +348,6 @@ _LETTERS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
 
 # what returns a view of its input (torch.einsum: a permuted view of a bmm's result)
 _VIEWS = {".reshape", ".permute", ".flip", "[]", "torch.einsum"}
-
-
-def _same_shape(dims: Sequence[Size], shape: Sequence[Any]) -> bool:
-    """Whether reshaping a tensor of ``dims`` to ``shape`` would change nothing (-1 matches
-    the one remaining axis)."""
-    return len(dims) == len(shape) and sum(d == -1 for d in shape) <= 1 and all(
-        s == -1 or Size.of(s) == d for d, s in zip(dims, shape))
 
 
 def _uniform(values: list[int]) -> int | tuple[int, ...]:

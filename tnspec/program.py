@@ -5,18 +5,22 @@ Each :class:`Call` names the torch callable it runs (``"F.conv2d"``, a method su
 ``".reshape"``, or ``"[]"`` for strided slicing), its inputs and its keyword arguments. The few
 other nodes read and check the data's shape (:class:`CheckShape`, :class:`Unpack`, :class:`Let`,
 :class:`Require`) and add the bias (:class:`Bias`). Sizes are symbolic (:class:`Size`).
+
+:class:`Builder` appends nodes and tracks each variable's layout (``lower`` builds on it); the
+passes (:func:`prune`, :func:`rename`) work on finished node lists.
 """
 
 from __future__ import annotations
 
 import builtins
 import keyword
+import math
 import re
 from dataclasses import dataclass, replace
-from typing import Any, Union
+from typing import Any, Sequence, Union
 
 from .ir import Network
-from .shapes import Size
+from .shapes import Size, axis_text
 
 
 @dataclass(frozen=True)
@@ -142,6 +146,99 @@ class Namer:
         self.used.add(name)
         self.names[key] = name
         return name
+
+
+# ---- building a program -------------------------------------------------------------------
+
+Shape = list  # of Size, or -1 for "the rest"
+
+
+class Builder:
+    """Appends nodes to a program under construction and tracks, for every variable, the index
+    name of each axis (``layout``) and its symbolic length (``dims``), so that operands are
+    permuted and reshaped only where an op needs another layout."""
+
+    def __init__(self, net: Network) -> None:
+        self.net = net
+        self.name = Namer()
+        self.nodes: list[Node] = []
+        self.static: dict[str, str] = {}  # variable -> index name, of sizes read from self
+        self.layout: dict[Var | Param, tuple[str, ...]] = {}  # index names of its axes
+        self.dims: dict[Var | Param, tuple[Size, ...]] = {}  # its shape
+        self.reshaped: dict[Var, Var | Param] = {}  # a reshape's result -> its source
+        self.made_by: dict[Var, str] = {}  # the callable that made each variable
+
+    # ---- sizes ------------------------------------------------------------------------------
+
+    def size(self, index: str) -> Size:
+        """The symbol of an index's size: read from the data, or from the module's sizes."""
+        if self.net.index(index).runtime:
+            c = self.net.conv_of(index)  # an affine source h+kh-1 is read as h_in
+            base = c.target + "_in" if c and index == c.source and not index.isidentifier() \
+                else index
+            return Size.of(self.name("size:" + index, base))
+        formula = dict(self.net.derived).get(index)
+        if formula is not None and formula[0] == "int":  # a derived constant: folded
+            return Size.of(formula[1])
+        var = self.name("size:" + index, index)
+        self.static[var] = index
+        return Size.of(var)
+
+    def product(self, indices: Sequence[str]) -> Size:
+        return math.prod((self.size(i) for i in indices), start=Size.of(1))
+
+    def dim(self, holder: Var | Param, index: str) -> Size:
+        """The current length of ``index``'s axis in ``holder`` (a spread axis is longer)."""
+        return self.dims[holder][self.layout[holder].index(index)]
+
+    # ---- emitting ---------------------------------------------------------------------------
+
+    def call(self, base: str, fn: str, *args: Arg, layout: tuple[str, ...],
+             dims: Sequence[Size], comment: str = "", **kwargs: Arg) -> Var:
+        out = Var(self.name(f"tensor:{len(self.nodes)}", base))
+        self.nodes.append(Call(out.name, fn, args, tuple(kwargs.items()), comment))
+        self.made_by[out] = fn
+        self.layout[out], self.dims[out] = tuple(layout), tuple(dims)
+        return out
+
+    def arrange(self, holder: Var | Param, order: Sequence[str], shape: Shape) -> Var | Param:
+        """``holder`` permuted into ``order`` and reshaped to ``shape``, each only if needed."""
+        layout = self.layout[holder]
+        base = holder.name
+        if list(layout) != list(order):
+            perm = tuple(layout.index(i) for i in order)
+            holder = self.call(base + "_p", ".permute", holder, *perm, layout=tuple(order),
+                               dims=[self.dims[holder][p] for p in perm])
+        return self.reshape_to(holder, order, shape, base + "_r")
+
+    def reshape_to(self, holder: Var | Param, layout: Sequence[str], shape: Shape,
+                   base: str) -> Var | Param:
+        """``holder`` reshaped to ``shape`` unless it has that shape; a reshape of a reshape
+        reshapes the original instead."""
+        if _same_shape(self.dims[holder], list(shape)):
+            self.layout[holder] = tuple(layout)
+            return holder
+        source = self.reshaped.get(holder, holder) if isinstance(holder, Var) else holder
+        out = self.call(base, ".reshape", source, *shape, layout=tuple(layout),
+                        dims=[Size.of(0) if d == -1 else d for d in shape])
+        self.reshaped[out] = source
+        return out
+
+    def merged(self, holder: Var | Param, classes: list[list[str]]) -> Var | Param:
+        """``holder`` permuted and reshaped so that each non-empty class is one axis."""
+        classes = [c for c in classes if c]
+        flat = [i for c in classes for i in c]
+        holder = self.arrange(holder, flat, [self.dim(holder, i) for i in flat])
+        return self.reshape_to(holder, [axis_text(c) for c in classes],
+                               [math.prod((self.dim(holder, i) for i in c), start=Size.of(1))
+                                for c in classes], holder.name + "_m")
+
+
+def _same_shape(dims: Sequence[Size], shape: Sequence[Any]) -> bool:
+    """Whether reshaping a tensor of ``dims`` to ``shape`` would change nothing (-1 matches
+    the one remaining axis)."""
+    return len(dims) == len(shape) and sum(d == -1 for d in shape) <= 1 and all(
+        s == -1 or Size.of(s) == d for d, s in zip(dims, shape))
 
 
 # ---- passes over nodes --------------------------------------------------------------------
