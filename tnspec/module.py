@@ -248,8 +248,8 @@ class Layer(nn.Module):
                 for cls, spent in zip(classes, times):
                     start = time.perf_counter()
                     y = cls.forward(self, x)
-                    # a contiguous gradient, as the next layer gives
-                    grad = torch.ones(y.shape, dtype=y.dtype, device=y.device)
+                    # a dense gradient in the output's layout, as the next layer gives
+                    grad = torch.ones_like(y)
                     torch.autograd.grad(y, inputs, grad)
                     if x.is_cuda:
                         torch.cuda.synchronize()
