@@ -15,6 +15,7 @@ from collections import Counter
 from functools import lru_cache
 from itertools import chain
 from typing import Callable
+from weakref import WeakKeyDictionary
 
 import numpy as np
 from opt_einsum.paths import DynamicProgramming, greedy
@@ -49,13 +50,33 @@ def dynamic_programming(problem: Problem) -> Path:
 def _cheapest(problem: Problem, group: int) -> Callable[[int], tuple[int, int]] | None:
     """The cheapest split of ``group`` and of each group inside it (the DP's table), or None
     when it has no allowed order."""
+    for linked_only in (True, False):
+        best, parts = _table(problem, linked_only)
+        if best[group] < np.inf:
+            return parts
+    return None
+
+
+#: the DP's tables per problem, filled as asked: ``auto`` runs dp and dense-first, which read
+#: the same table, so the 3^n merges are priced once
+_TABLES: WeakKeyDictionary[Problem, dict] = WeakKeyDictionary()
+
+
+def _table(problem: Problem, linked_only: bool
+           ) -> tuple[np.ndarray, Callable[[int], tuple[int, int]]]:
+    """The cheapest cost of every group and its best split, over merges of groups that share
+    an index (``linked_only``) or over all merges."""
+    memo = _TABLES.setdefault(problem, {})
     n = len(problem.operands)
     a, b, levels = _splits(n)
-    seconds, _, _ = problem.price(a.astype(problem.dtype), b.astype(problem.dtype))
-    plain = problem.plain_masks(problem.array(range(1 << n)))
-    linked = (plain[a] & plain[b]) != 0
-    whole = a | b
-    for allowed in (np.where(linked, seconds, np.inf), seconds):
+    if "seconds" not in memo:
+        memo["seconds"] = problem.price(a.astype(problem.dtype), b.astype(problem.dtype))[0]
+    if linked_only not in memo:
+        allowed = memo["seconds"]
+        if linked_only:
+            plain = problem.plain_masks(problem.array(range(1 << n)))
+            allowed = np.where((plain[a] & plain[b]) != 0, allowed, np.inf)
+        whole = a | b
         best = np.full(1 << n, np.inf)
         best[1 << np.arange(n)] = 0.0
         split = np.zeros(1 << n, dtype=np.int64)
@@ -66,9 +87,8 @@ def _cheapest(problem: Problem, group: int) -> Callable[[int], tuple[int, int]] 
             first = order[np.r_[True, groups[order][1:] != groups[order][:-1]]]
             best[groups[first]] = total[first]
             split[groups[first]] = lo + first
-        if best[group] < np.inf:
-            return lambda s: (int(a[split[s]]), int(b[split[s]]))
-    return None
+        memo[linked_only] = (best, lambda s: (int(a[split[s]]), int(b[split[s]])))
+    return memo[linked_only]
 
 
 @register("opt-dp")

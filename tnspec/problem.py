@@ -97,6 +97,7 @@ class Problem:
         self.operands = [Operand(net.input.name, data)] + [
             Operand(c.name, c.indices) for c in net.cores]
         self.output = tuple(net.output.indices)
+        self.output_position = {i: n for n, i in enumerate(self.output)}
         self.convs = tuple(c for c in net.convs if c.kernel is not None)
         #: the data side's spatial axes: every source and target (kernel-less ones included)
         self.spatial = frozenset(c.source for c in net.convs) | {c.target for c in net.convs}
@@ -352,6 +353,5 @@ class Problem:
         batch = [i for i in left.indices if i not in right.indices and i not in self.spatial]
         groups = [i for i in left.indices if i in right.indices and i in kept_set]
         outs = [i for i in right.indices if i not in left.indices and i in kept_set]
-        position = {i: n for n, i in enumerate(self.net.output.indices)}
-        outs.sort(key=lambda i: position.get(i, len(position)))
+        outs.sort(key=lambda i: self.output_position.get(i, len(self.output)))
         return tuple(batch + groups + outs + spatial)
