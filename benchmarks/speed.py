@@ -41,9 +41,8 @@ HERE = Path(__file__).resolve().parent
 
 def fwd_bwd(module: nn.Module, x: torch.Tensor) -> Callable[[], None]:
     """One forward and backward step. The output's gradient is a dense tensor in the output's
-    layout, as the next layer gives; ``y.sum().backward()`` would hand every layer a stride-0
-    gradient, which some ops must copy and others read as it is, so that it ranks
-    implementations differently from a network."""
+    layout, as the next layer gives (``y.sum().backward()`` would hand every layer a stride-0
+    gradient, which no layer inside a network sees)."""
     grad: list[torch.Tensor] = []
 
     def run() -> None:

@@ -117,7 +117,6 @@ def test_a_pointwise_layer_mixes_channels_with_a_1x1_conv_across_its_plain_axes(
     torch.testing.assert_close(layer(x), want, rtol=1e-4, atol=1e-4)
 
 
-
 def test_the_last_conv_gives_the_output_channels_in_the_outputs_order():
     """A core (or a kernel built among cores) may hold the output modes in any order; the
     kernel is permuted (small), never the conv's output (data-sized)."""

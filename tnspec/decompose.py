@@ -18,8 +18,9 @@ Start: a core whose only non-weight index is one bond (a Tucker or CP factor, th
 chain) starts from the leading left singular vectors of the weight unfolded along its weight
 indices (HOSVD, TensorLy's "svd" init); every other start gives the same subspace, in a random
 basis, to a core with several such indices that span fewer dimensions than its weight indices
-(a block-term factor); the other cores start from a Graph-in draw and are solved first. At the end the cores are rescaled (their product unchanged) so that their
-standard deviations keep the proportions of Graph-in init, which is what training expects.
+(a block-term factor); the other cores start from a Graph-in draw and are solved first. At the
+end the cores are rescaled (their product unchanged) so that their standard deviations keep
+the proportions of Graph-in init, which is what training expects.
 """
 
 from __future__ import annotations
@@ -131,11 +132,11 @@ def fit(net: Network, weight: Tensor, *, max_iter: int = 200, tol: float = 1e-7,
     whole = _expression([list(ix) for ix in labels.values()], list(lay.target), sizes)
     best: tuple[float, dict[str, Tensor]] = (math.inf, {})
     for seed in range(starts):
-        cores, seeded, rotated = _start(net, w, problems, stds, seed)
+        cores, seeded = _start(net, w, problems, stds, seed)
         order = [n for n in labels if n not in seeded] + [n for n in labels if n in seeded]
         best = min(best, _als(stds, problems, order, whole, w, cores, max_iter, tol),
                    key=lambda run: run[0])
-        if len(labels) - len(seeded) <= 1 and not rotated:
+        if seed == 0 and len(labels) - len(seeded) <= 1:
             break  # one random core at most, solved first: another start ends the same
     cores = best[1]
     return {n: _unflipped(net, n, t) for n, t in cores.items()}
@@ -255,12 +256,12 @@ def _expression(terms: list[list], out: list, sizes: Mapping, limit: float = mat
 
 
 def _start(net: Network, w: Tensor, problems: Mapping[str, _Problem],
-           stds: Mapping[str, float], seed: int) -> tuple[dict[str, Tensor], set[str], bool]:
-    """Starting cores: SVD factors for cores whose weight indices span more than their other
-    indices, a Graph-in draw for the others; and whether a start depends on the seed beyond
-    the random cores (a core with several bonds gets its subspace in a random basis)."""
+           stds: Mapping[str, float], seed: int) -> tuple[dict[str, Tensor], set[str]]:
+    """Starting cores and the names of those started from the weight's SVD: single-bond
+    cores always, cores with several bonds whose weight indices span more on odd starts (in
+    a random basis); a Graph-in draw for the others."""
     gen = torch.Generator().manual_seed(seed)  # the user's global RNG stays untouched
-    sizes, cores, seeded, rotated = net.sizes, {}, set(), False
+    sizes, cores, seeded = net.sizes, {}, set()
     for core in net.cores:
         p = problems[core.name]
         shape = [sizes[i] for i in core.indices]
@@ -276,14 +277,14 @@ def _start(net: Network, w: Tensor, problems: Mapping[str, _Problem],
             if len(p.unknowns) > 1:  # several bonds (or a hyperedge): a random basis
                 q = torch.linalg.qr(torch.randn(rank, rank, generator=gen,
                                                 dtype=torch.float64))[0]
-                u, rotated = u @ q.to(u.device), True
+                u = u @ q.to(u.device)
             cores[core.name] = u.reshape([sizes[i] for i in p.free + p.unknowns]).permute(
                 [p.order.index(i) for i in core.indices]).contiguous()
             seeded.add(core.name)
         else:
             cores[core.name] = (torch.randn(shape, generator=gen, dtype=torch.float64) *
                                 stds[core.name]).to(w.device)
-    return cores, seeded, rotated
+    return cores, seeded
 
 
 def _leading(m: Tensor, rank: int, gen: torch.Generator) -> Tensor:
