@@ -25,7 +25,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from anchors import conv_formats, missing  # noqa: E402
-from speed import fwd_bwd, machine  # noqa: E402
+from speed import fwd_bwd, machine, steady_malloc  # noqa: E402
 
 import tnspec  # noqa: E402
 
@@ -81,13 +81,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-compile", action="store_true", help="eager tables only")
     parser.add_argument("--write", action="store_true")
     args = parser.parse_args(argv)
+    allocator = steady_malloc()
     torch.set_num_threads(args.threads)
     for line in missing():
         print(f"skipped: {line} is not installed")
     formats = {f.name: f for f in conv_formats(96, 96, 10, 3, 1, (6, 4, 4))}
     torch.manual_seed(0)
     x = torch.randn(32, 96, 32, 32).requires_grad_(True)
-    blocks = [machine()]
+    blocks = [machine(), allocator]
     for name in args.formats:
         fmt = formats[name]
         layer = tnspec.layer(fmt.spec, **fmt.sizes)

@@ -19,6 +19,7 @@ its input, in the same run: traffic no layer over that input can avoid.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import math
 import platform
 import statistics
@@ -40,19 +41,22 @@ HERE = Path(__file__).resolve().parent
 
 
 def fwd_bwd(module: nn.Module, x: torch.Tensor) -> Callable[[], None]:
-    """One forward and backward step. The output's gradient is a dense tensor in the output's
-    layout, as the next layer gives (``y.sum().backward()`` would hand every layer a stride-0
-    gradient, which no layer inside a network sees)."""
+    """One forward and backward step as an inner layer of a network sees it. The output's
+    gradient is a dense tensor in the output's layout, as the next layer gives
+    (``y.sum().backward()`` would hand every layer a stride-0 gradient). The input's gradient is
+    handed back, as it would be to the layer before, not stored in ``x.grad``: only a leaf input
+    keeps its gradient from one step to the next, and doing so changed which layers' backward
+    wrote into freshly mapped memory (page faults inside the backward convolution) by more than
+    the candidates being compared differ. The parameters' gradients are fresh tensors each step,
+    as after ``optimizer.zero_grad()``."""
     grad: list[torch.Tensor] = []
+    inputs = [x, *(p for p in module.parameters() if p.requires_grad)]
 
     def run() -> None:
-        x.grad = None
-        for p in module.parameters():
-            p.grad = None
         y = module(x)
         if not grad:
             grad.append(torch.ones_like(y))
-        y.backward(grad[0])
+        torch.autograd.grad(y, inputs, grad[0])
     return run
 
 
@@ -233,6 +237,26 @@ def machine() -> str:
             f"{tnspec.__version__}")
 
 
+def steady_malloc(keep: bool = True) -> str:
+    """Have glibc's malloc keep freed memory for reuse (no block of its own mapped per large
+    tensor, no memory handed back to the system), as jemalloc or tcmalloc do, and describe the
+    allocator for the table's header. With glibc's defaults a large tensor is sometimes mapped
+    afresh and its pages faulted in while an op writes it, depending on what ran before: the
+    same module then times differently by its place in the interleaved loop, by more than the
+    implementations compared differ (``--system-malloc`` shows it)."""
+    if not keep:
+        return "Allocator: glibc malloc defaults (--system-malloc)"
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        m_trim_threshold, m_mmap_max = -1, -4  # from glibc's malloc.h
+        if libc.mallopt(m_mmap_max, 0) and libc.mallopt(m_trim_threshold, 2**31 - 1):
+            return ("Allocator: glibc malloc keeping freed memory (mallopt M_MMAP_MAX=0, "
+                    "M_TRIM_THRESHOLD=2^31-1; --system-malloc for the defaults)")
+    except OSError:
+        pass
+    return "Allocator: the system's (not glibc: left as it is)"
+
+
 def calibration_text(refresh: bool) -> str:
     """The planner's cost model on this CPU, as `tnspec calibrate` shows it."""
     from tnspec import calibration
@@ -252,10 +276,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--recalibrate", action="store_true",
                         help="measure the planner's calibration again first (as on a fresh "
                         "machine; the measured op choices are dropped too)")
+    parser.add_argument("--system-malloc", action="store_true",
+                        help="leave glibc's malloc at its defaults (see steady_malloc)")
     args = parser.parse_args(argv)
+    allocator = steady_malloc(not args.system_malloc)
     torch.set_num_threads(args.threads)
     calibrated = calibration_text(args.recalibrate)
     print(machine())
+    print(allocator)
     print(calibrated)
     for line in missing():
         print(f"skipped: {line} is not installed")
@@ -350,8 +378,8 @@ def write(rows: list[dict], calibrated: str) -> None:
     text = (HERE / "RESULTS.md").read_text() if (HERE / "RESULTS.md").exists() else ""
     start = "<!-- speed table -->"
     end = "<!-- end speed table -->"
-    block = (f"{start}\nMachine: {machine()}\n\n{calibrated}\n\n{table(rows)}\n\n{goals(rows)}"
-             f"\n{end}")
+    block = (f"{start}\nMachine: {machine()}\n\n{allocator}\n\n{calibrated}\n\n{table(rows)}"
+             f"\n\n{goals(rows)}\n{end}")
     if start in text:
         text = text[:text.index(start)] + block + text[text.index(end) + len(end):]
     else:
