@@ -99,8 +99,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, one repetition")
     parser.add_argument("--write", action="store_true",
                         help="rewrite docs/choosing.md's table and docs/choosing.png")
+    parser.add_argument("--system-malloc", action="store_true",
+                        help="leave glibc's malloc at its defaults (see speed.steady_malloc)")
     args = parser.parse_args(argv)
-    allocator = steady_malloc()
+    allocator = steady_malloc(not args.system_malloc)
     channels, size, batch, repeats = (8, 8, 2, 1) if args.smoke else (64, 32, 32, 21)
     started = time.time()
     rows = measure(channels, size, batch, repeats)

@@ -80,8 +80,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--no-compile", action="store_true", help="eager tables only")
     parser.add_argument("--write", action="store_true")
+    parser.add_argument("--system-malloc", action="store_true",
+                        help="leave glibc's malloc at its defaults (see speed.steady_malloc)")
     args = parser.parse_args(argv)
-    allocator = steady_malloc()
+    allocator = steady_malloc(not args.system_malloc)
     torch.set_num_threads(args.threads)
     for line in missing():
         print(f"skipped: {line} is not installed")

@@ -5,6 +5,9 @@ TensorLy-Torch). Times are printed there, never asserted."""
 from __future__ import annotations
 
 import importlib.util
+import platform
+import subprocess
+import sys
 
 import pytest
 
@@ -22,17 +25,29 @@ def test_speed_smoke_runs_and_cross_checks_against_the_libraries(capsys):
     pytest.importorskip("tltorch", reason="tensorly-torch is in the test extra")
     pytest.importorskip("tednet", reason="tednet is in the test extra")
     speed = load("speed")
-    assert speed.main(["--smoke"]) == 0
+    assert speed.main(["--smoke", "--system-malloc"]) == 0
     out = capsys.readouterr().out
     assert out.count("  ok") == 35 and "MISMATCH" not in out
     for library in ("tltorch factorized", "tltorch reconstructed", "tednet"):
         assert library in out
 
 
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt is glibc's")
+def test_steady_malloc_sets_glibc_to_keep_freed_memory():
+    # in a child process: the setting is process-wide and would outlive this test
+    code = ("import sys; sys.path.insert(0, 'benchmarks'); import speed; "
+            "print(speed.steady_malloc()); print(speed.steady_malloc(False))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                         text=True, check=True).stdout.splitlines()
+    assert out[0].startswith("Allocator: glibc malloc keeping freed memory")
+    assert out[1] == "Allocator: glibc malloc defaults (--system-malloc)"
+
+
 def test_profile_tables_name_the_operators_of_both_columns(capsys):
     pytest.importorskip("tltorch", reason="tensorly-torch is in the test extra")
     profile_ops = load("profile_ops")
-    assert profile_ops.main(["--formats", "cp", "--steps", "1", "--no-compile"]) == 0
+    assert profile_ops.main(["--formats", "cp", "--steps", "1", "--no-compile",
+                             "--system-malloc"]) == 0
     out = capsys.readouterr().out
     assert "| operator | tnspec | tltorch factorized |" in out
     assert "| aten::convolution_backward |" in out and "**all operators**" in out
@@ -40,7 +55,7 @@ def test_profile_tables_name_the_operators_of_both_columns(capsys):
 
 def test_choosing_smoke_runs_every_format(capsys):
     choosing = load("choosing")
-    assert choosing.main(["--smoke"]) == 0
+    assert choosing.main(["--smoke", "--system-malloc"]) == 0
     out = capsys.readouterr().out
     for fmt in (*choosing.FORMATS, "depthwise_separable"):
         assert f"| {fmt} |" in out, fmt
