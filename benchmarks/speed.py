@@ -353,14 +353,15 @@ def main(argv: list[str] | None = None) -> int:
             min(repeats, 5), args.smoke, extra=((name, "tnspec", tensorized),))
     print("\n" + table(rows) + "\n\n" + goals(rows))
     if args.write and not (args.smoke or args.quick):
-        write(rows, calibrated)
+        write(rows, f"{allocator}\n\n{calibrated}")
     if failures:
         print(f"\ncross-check FAILED: {', '.join(failures)}")
         return 1
     return 0
 
 
-def write(rows: list[dict], calibrated: str) -> None:
+def write(rows: list[dict], setting: str) -> None:
+    """RESULTS.md's table and speed.png; ``setting``: the allocator and calibration lines."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -378,8 +379,8 @@ def write(rows: list[dict], calibrated: str) -> None:
     text = (HERE / "RESULTS.md").read_text() if (HERE / "RESULTS.md").exists() else ""
     start = "<!-- speed table -->"
     end = "<!-- end speed table -->"
-    block = (f"{start}\nMachine: {machine()}\n\n{allocator}\n\n{calibrated}\n\n{table(rows)}"
-             f"\n\n{goals(rows)}\n{end}")
+    block = (f"{start}\nMachine: {machine()}\n\n{setting}\n\n{table(rows)}\n\n{goals(rows)}"
+             f"\n{end}")
     if start in text:
         text = text[:text.index(start)] + block + text[text.index(end) + len(end):]
     else:
