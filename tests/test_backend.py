@@ -163,6 +163,22 @@ def test_autotune_keeps_a_correct_candidate():
     assert key in module._classes  # timed once, then cached
 
 
+@pytest.mark.parametrize("lead, keeps_model", [(0.95, True), (0.8, False)])
+def test_autotune_keeps_the_models_order_unless_another_is_clearly_faster(
+        monkeypatch, lead, keeps_model):
+    text, sizes, shape = spec("tr", 2, 1, "same", 1)
+    module = tnspec.layer(text, autotune=True, **sizes)
+    timed = []
+
+    def fake(self, classes, shape, repeats, channels_last=False):
+        timed.append(classes)
+        return [1.0] + [lead] * (len(classes) - 1)  # the model's order is timed first
+    monkeypatch.setattr(tnspec.Layer, "_time", fake)
+    compare(module, torch.randn(2, *shape))
+    assert len(timed) == 1 and len(timed[0]) >= 2
+    assert module._last_class is timed[0][0 if keeps_model else 1]
+
+
 def test_a_new_batch_size_in_the_same_class_is_not_planned_again_and_the_cache_is_bounded(
         monkeypatch):
     text, sizes, shape = spec("tucker2", 2, 1, "same", 1)

@@ -164,8 +164,10 @@ def cached() -> list[Calibration]:
     return list(_read()[0].values())
 
 
-#: how much faster the einsum must be measured than the 1x1 conv to be chosen
-_MARGIN = 0.9
+#: how much faster a measured alternative must be to replace the default (the einsum for the
+#: 1x1 conv, another order for the model's): a smaller lead is within the spread of repeated
+#: timings of one op or layer
+MARGIN = 0.9
 
 
 def chooser(device: torch.device | str = "cpu",
@@ -185,7 +187,7 @@ def chooser(device: torch.device | str = "cpu",
             seconds = time_mixing(replace(step, batch=batch), device, dtype, repeats=9)
             # the einsum only when clearly faster: timings of one op vary by 10-20% here, and
             # the conv keeps the data contiguous and can add the bias itself
-            op = "einsum" if seconds["einsum"] < _MARGIN * seconds["conv1x1"] else "conv1x1"
+            op = "einsum" if seconds["einsum"] < MARGIN * seconds["conv1x1"] else "conv1x1"
             found = {"op": op, "seconds": seconds}
             remember(device, dtype, what, found)
         return str(found["op"])
