@@ -24,7 +24,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from speed import fwd_bwd, machine, steady_malloc  # noqa: E402
+from speed import fwd_bwd, interleaved, machine, steady_malloc  # noqa: E402
 
 import tnspec  # noqa: E402
 
@@ -53,12 +53,7 @@ def measure(channels: int, size: int, batch: int, repeats: int) -> list[dict]:
     runs["dense", 1.0] = fwd_bwd(dense, x)
     for run in runs.values():  # plans once per shape, warms the allocator
         run()
-    times: dict[tuple[str, float], list[float]] = {key: [] for key in runs}
-    for _ in range(repeats):  # interleaved: each repetition times every layer once
-        for key, run in runs.items():
-            start = time.perf_counter()
-            run()
-            times[key].append(time.perf_counter() - start)
+    times = dict(zip(runs, interleaved(list(runs.values()), repeats)))
     base = statistics.median(times["dense", 1.0])
     params = sum(p.numel() for p in dense.parameters())
     return [{"format": fmt, "target": share,

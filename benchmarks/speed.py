@@ -22,6 +22,7 @@ import argparse
 import ctypes
 import math
 import platform
+import random
 import statistics
 import sys
 import time
@@ -58,6 +59,23 @@ def fwd_bwd(module: nn.Module, x: torch.Tensor) -> Callable[[], None]:
             grad.append(torch.ones_like(y))
         torch.autograd.grad(y, inputs, grad[0])
     return run
+
+
+def interleaved(runs: list[Callable[[], None]], rounds: int) -> list[list[float]]:
+    """Seconds of each run in each round. Every round runs each once, in a fresh shuffled order
+    (fixed seed): a run's time depends on what ran just before it (caches, the allocator's free
+    lists), and in a fixed order two identical layers side by side read further apart than the
+    implementations compared differ, so no run keeps the same predecessor."""
+    order = list(range(len(runs)))
+    shuffle = random.Random(0).shuffle
+    times: list[list[float]] = [[] for _ in runs]
+    for _ in range(rounds):
+        shuffle(order)
+        for n in order:
+            start = time.perf_counter()
+            runs[n]()
+            times[n].append(time.perf_counter() - start)
+    return times
 
 
 def activation_bytes(module: nn.Module, x: torch.Tensor) -> int:
@@ -162,12 +180,7 @@ def case(title: str, formats: list[Format], dense: nn.Module, x: torch.Tensor, r
         run()
         if compiled:
             run()
-    times: list[list[float]] = [[] for _ in entries]
-    for _ in range(1 if smoke else repeats):
-        for n, run in enumerate(runs):
-            start = time.perf_counter()
-            run()
-            times[n].append(time.perf_counter() - start)
+    times = interleaved(runs, 1 if smoke else repeats)
     rows = [dict(case=title, format=fmt, impl=impl, ms=1000 * statistics.median(t),
                  mb=math.nan if compiled else activation_bytes(m, x) / 2**20)
             for (fmt, impl, m), t in zip(entries, times)]
