@@ -24,7 +24,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from speed import fwd_bwd, interleaved, machine, steady_malloc  # noqa: E402
+from speed import fwd_bwd, interleaved, machine  # noqa: E402
 
 import tnspec  # noqa: E402
 
@@ -94,16 +94,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, one repetition")
     parser.add_argument("--write", action="store_true",
                         help="rewrite docs/choosing.md's table and docs/choosing.png")
-    parser.add_argument("--system-malloc", action="store_true",
-                        help="leave glibc's malloc at its defaults (see speed.steady_malloc)")
     args = parser.parse_args(argv)
-    allocator = steady_malloc(not args.system_malloc)
     channels, size, batch, repeats = (8, 8, 2, 1) if args.smoke else (64, 32, 32, 21)
     started = time.time()
     rows = measure(channels, size, batch, repeats)
     text = (f"{channels} -> {channels}, 3x3, padding 1, batch {batch}, {size}x{size}; median "
             f"of {repeats} interleaved repetitions; {time.time() - started:.0f} s on: "
-            f"{machine()}\n{allocator}\n\n{table(rows)}")
+            f"{machine()}\n\n{table(rows)}")
     print(text)
     if args.write:
         page = DOCS / "choosing.md"

@@ -55,7 +55,7 @@ def test_profile_tables_name_the_operators_of_both_columns(capsys):
 
 def test_choosing_smoke_runs_every_format(capsys):
     choosing = load("choosing")
-    assert choosing.main(["--smoke", "--system-malloc"]) == 0
+    assert choosing.main(["--smoke"]) == 0
     out = capsys.readouterr().out
     for fmt in (*choosing.FORMATS, "depthwise_separable"):
         assert f"| {fmt} |" in out, fmt
