@@ -185,8 +185,8 @@ def chooser(device: torch.device | str = "cpu",
         found = recall(device, dtype, what)
         if found is None:
             seconds = time_mixing(replace(step, batch=batch), device, dtype, repeats=9)
-            # the einsum only when clearly faster: timings of one op vary by 10-20% here, and
-            # the conv keeps the data contiguous and can add the bias itself
+            # the einsum only when clearly faster (MARGIN): the conv keeps the data contiguous
+            # and can add the bias itself
             op = "einsum" if seconds["einsum"] < MARGIN * seconds["conv1x1"] else "conv1x1"
             found = {"op": op, "seconds": seconds}
             remember(device, dtype, what, found)

@@ -199,8 +199,9 @@ class Layer(nn.Module):
         """The fastest distinct candidate order for ``shape``, timed forward and backward on
         the cores' device, or recalled from the calibration cache where a process timed it
         before. The model's order stays unless another is measured at least 10% faster
-        (``calibration.MARGIN``). Timing uses its own random generator and gradients, so that the global RNG,
-        ``no_grad``, ``inference_mode`` and frozen cores are left as they are."""
+        (``calibration.MARGIN``). Timing uses its own random generator and gradients, so that
+        the global RNG, ``no_grad``, ``inference_mode`` and frozen cores are left as they
+        are."""
         bound = bind_shape(self.network, shape)
         candidates: dict[str, type] = {}
         for name in ("auto", "greedy", "dense-first", "left-to-right"):
