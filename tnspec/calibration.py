@@ -169,6 +169,11 @@ def cached() -> list[Calibration]:
 #: timings of one op or layer
 MARGIN = 0.9
 
+#: a candidate order the measured cost model prices at more than PRUNE times the cheapest is
+#: not timed: the model's errors are well inside this factor, and such an order (einconv's
+#: left-to-right on a loopy network) can take seconds and gigabytes per repetition
+PRUNE = 4.0
+
 
 def chooser(device: torch.device | str = "cpu",
             dtype: torch.dtype = torch.float32) -> Chooser | None:

@@ -10,6 +10,7 @@ the class its last eager call ran.
 
 from __future__ import annotations
 
+import math
 import time
 from collections import OrderedDict
 from typing import Any, Callable, Sequence
@@ -199,11 +200,13 @@ class Layer(nn.Module):
         """The fastest distinct candidate order for ``shape``, timed forward and backward on
         the cores' device, or recalled from the calibration cache where a process timed it
         before. The model's order stays unless another is measured at least 10% faster
-        (``calibration.MARGIN``). Timing uses its own random generator and gradients, so that
+        (``calibration.MARGIN``); an order the cost model prices at more than
+        ``calibration.PRUNE`` times the cheapest is not timed. Timing uses its own random generator and gradients, so that
         the global RNG, ``no_grad``, ``inference_mode`` and frozen cores are left as they
         are."""
         bound = bind_shape(self.network, shape)
         candidates: dict[str, type] = {}
+        cheapest = math.inf
         for name in ("auto", "greedy", "dense-first", "left-to-right"):
             try:
                 candidate = plan(bound, name, max_bytes=self.max_bytes,
@@ -212,6 +215,10 @@ class Layer(nn.Module):
                 if name == "auto":
                     raise  # the layer's own error for this shape
                 continue
+            predicted = sum(s.seconds for s in candidate.steps)
+            cheapest = min(cheapest, predicted)
+            if name != "auto" and predicted > calibration.PRUNE * cheapest:
+                continue  # not worth timing (see PRUNE)
             key = repr(tuple((s.left.indices, s.right.indices, s.op) for s in candidate.steps))
             if key not in candidates:
                 candidates[key] = runtime.layer_class(self.network, candidate,
