@@ -4,6 +4,7 @@ equal ranks, and exact recovery for every format.
 
     python benchmarks/decompose.py            # the tables (about 5 min on 2 CPU threads)
     python benchmarks/decompose.py --smoke    # tiny sizes, one rank, one seed, in process (tests)
+    python benchmarks/decompose.py --hops 0   # exact recovery without basin hops
 
 Part 1, same network, same ranks. Each TensorLy decomposition is written as a tnspec spec of
 the very same network (CP: factors for o, c, kh, kw; Tucker-2: factors for o and c around a
@@ -16,7 +17,8 @@ runs once in a fresh process; the figure is that process's peak RSS increase ove
 the run (``ru_maxrss``), in MiB.
 
 Part 2, exact recovery: the weight of a random Graph-in instance of a format plus 0.5% Gaussian
-noise, fitted by a fresh layer of the same format (``starts=8``); success = error under 2%.
+noise, fitted by a fresh layer of the same format (``starts=8, hops=64``); success = error under
+2%.
 """
 
 from __future__ import annotations
@@ -145,7 +147,7 @@ def compare(cases: list[tuple[str, int, int]], ranks: dict[str, tuple[int, ...]]
     return rows
 
 
-def recovery(channels: int, seeds: int, starts: int) -> list[dict]:
+def recovery(channels: int, seeds: int, starts: int, hops: int) -> list[dict]:
     rows = []
     for fmt in RECOVERY:
         errors, seconds = [], []
@@ -159,7 +161,7 @@ def recovery(channels: int, seeds: int, starts: int) -> list[dict]:
             weight = weight + 0.005 * weight.std() * torch.randn_like(weight)
             layer = made.layer()
             start = time.perf_counter()
-            errors.append(layer.fit_(weight, starts=starts))
+            errors.append(layer.fit_(weight, starts=starts, hops=hops))
             seconds.append(time.perf_counter() - start)
         rows.append(dict(format=fmt, errors=errors, seconds=statistics.median(seconds),
                          ok=sum(e < 0.02 for e in errors), params=layer.network.num_parameters))
@@ -169,15 +171,17 @@ def recovery(channels: int, seeds: int, starts: int) -> list[dict]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--smoke", action="store_true", help="tiny sizes (tests)")
+    parser.add_argument("--hops", type=int, default=64, help="basin hops in the exact-recovery "
+                        "part (0: none, as before tnspec had them)")
     args = parser.parse_args(argv)
     if args.smoke:
         cases, repeats = [("power-law", 8, 6)], 1
         ranks = {"cp": (4,), "tucker2": (3,), "tt": (4,)}
-        channels, seeds, starts = 8, 1, 2
+        channels, seeds, starts, hops = 8, 1, 2, min(args.hops, 4)
     else:
         cases = [("gaussian", 64, 64), ("power-law", 64, 64), ("power-law", 256, 256)]
         ranks, repeats = {"cp": (16, 64), "tucker2": (8, 32), "tt": (8, 32)}, 3
-        channels, seeds, starts = 32, 3, 8
+        channels, seeds, starts, hops = 32, 3, 8, args.hops
     print(machine())
     rows = compare(cases, ranks, repeats, fresh=not args.smoke)
     print("\n| kernel | network | rank | error tnspec | error TensorLy | tnspec / TensorLy "
@@ -189,10 +193,11 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['time ratio']:.2f} | {r['tensorly s']:.3f} | {r['tnspec MiB']:.1f} | "
               f"{r['tensorly MiB']:.1f} |")
     print(f"\nexact recovery: weight of a random instance + 0.5% noise, {seeds} seed(s), "
-          f"starts={starts}, {channels} channels, rank share 0.2 (random: its own sizes)")
+          f"starts={starts}, hops={hops}, {channels} channels, rank share 0.2 (random: its own "
+          "sizes)")
     print("| format | params | errors | under 2% | median s |")
     print("|---|---|---|---|---|")
-    for r in recovery(channels, seeds, starts):
+    for r in recovery(channels, seeds, starts, hops):
         print(f"| {r['format']} | {r['params']} | {', '.join(f'{e:.4f}' for e in r['errors'])} "
               f"| {r['ok']}/{len(r['errors'])} | {r['seconds']:.2f} |")
     return 0

@@ -18,9 +18,11 @@ Start: a core whose only non-weight index is one bond (a Tucker or CP factor, th
 chain) starts from the leading left singular vectors of the weight unfolded along its weight
 indices (HOSVD, TensorLy's "svd" init); every other start gives the same subspace, in a random
 basis, to a core with several such indices that span fewer dimensions than its weight indices
-(a block-term factor); the other cores start from a Graph-in draw and are solved first. At the
-end the cores are rescaled (their product unchanged) so that their standard deviations keep
-the proportions of Graph-in init, which is what training expects.
+(a block-term factor); the other cores start from a Graph-in draw and are solved first. Basin
+hops then redraw a few cores of the best fit and sweep again, which is what gets loopy networks
+(the Odd one) out of the minima every start stops in. At the end the cores are rescaled (their
+product unchanged) so that their standard deviations keep the proportions of Graph-in init,
+which is what training expects.
 """
 
 from __future__ import annotations
@@ -102,14 +104,16 @@ def relative_error(approx: Tensor, weight: Tensor) -> float:
 
 
 def fit(net: Network, weight: Tensor, *, max_iter: int = 200, tol: float = 1e-7,
-        starts: int = 4) -> dict[str, Tensor]:
+        starts: int = 4, hops: int = 64) -> dict[str, Tensor]:
     """Cores (float64 on the weight's device, by name, as the layer stores them) whose dense
     weight approximates ``weight`` (the ``nn.ConvNd``/``nn.Linear`` layout of :func:`layout`).
 
     ALS with extrapolation from an SVD/Graph-in start: at most ``max_iter`` sweeps, stopping when
     a sweep lowers the relative error by less than ``tol`` times it. When some cores start
     random, ``starts`` random starts are fitted and the best kept (ALS finds local minima;
-    hyperedge formats such as block-term reach the global one from about half the starts)."""
+    hyperedge formats such as block-term reach the global one from about half the starts);
+    where they end more than 1% apart (or there was one), up to ``hops`` basin hops
+    (:func:`_hop`) try to leave the best one's minimum."""
     lay = layout(net)
     if tuple(weight.shape) != lay.shape:
         raise SpecError(f"the weight has shape {tuple(weight.shape)}, the layer's dense weight "
@@ -118,9 +122,9 @@ def fit(net: Network, weight: Tensor, *, max_iter: int = 200, tol: float = 1e-7,
     if not torch.isfinite(weight).all():
         raise SpecError("the weight to fit has NaN or infinite entries")
     if not (isinstance(max_iter, int) and max_iter >= 1 and isinstance(starts, int) and
-            starts >= 1 and tol >= 0):
-        raise SpecError(f"max_iter={max_iter!r}, starts={starts!r} and tol={tol!r} must be "
-                        "ints >= 1 and a number >= 0")
+            starts >= 1 and isinstance(hops, int) and hops >= 0 and tol >= 0):
+        raise SpecError(f"max_iter={max_iter!r}, starts={starts!r}, hops={hops!r} and "
+                        f"tol={tol!r} must be ints >= 1, an int >= 0 and a number >= 0")
     w = weight.detach().to(torch.float64).reshape(lay.modes)
     labels = {c.name: c.indices for c in net.cores}
     sizes = net.sizes
@@ -131,13 +135,20 @@ def fit(net: Network, weight: Tensor, *, max_iter: int = 200, tol: float = 1e-7,
     stds = {c.core: c.std(sizes) for c in core_inits(net, "graph-in")}  # the start's, the scale's
     whole = _expression([list(ix) for ix in labels.values()], list(lay.target), sizes)
     best: tuple[float, dict[str, Tensor]] = (math.inf, {})
+    ends = []
     for seed in range(starts):
         cores, seeded = _start(net, w, problems, stds, seed)
         order = [n for n in labels if n not in seeded] + [n for n in labels if n in seeded]
-        best = min(best, _als(stds, problems, order, whole, w, cores, max_iter, tol),
-                   key=lambda run: run[0])
+        run = _als(stds, problems, order, whole, w, cores, max_iter, tol)
+        ends.append(run[0])
+        best = min(best, run, key=lambda r: r[0])
         if seed == 0 and len(labels) - len(seeded) <= 1:
             break  # one random core at most, solved first: another start ends the same
+    else:
+        # starts that all end within 1% of each other found one minimum (a chain, a ring):
+        # hops would only spend time; where they disagree, or there was one start, hop
+        if hops and (len(ends) == 1 or max(ends) > 1.01 * min(ends)):
+            best = _hop(stds, problems, whole, w, best, hops, max_iter, tol)
     cores = best[1]
     return {n: _unflipped(net, n, t) for n, t in cores.items()}
 
@@ -168,6 +179,39 @@ def _als(stds: Mapping[str, float], problems: Mapping[str, "_Problem"], order: S
             break
         previous = error
     return error, cores
+
+
+def _hop(stds: Mapping[str, float], problems: Mapping[str, "_Problem"], whole, w: Tensor,
+         best: tuple[float, dict[str, Tensor]], hops: int, sweeps: int, tol: float
+         ) -> tuple[float, dict[str, Tensor]]:
+    """Basin hopping: redraw one to three cores of the best fit at random, solve them first,
+    sweep ALS again, and keep the result when its error is lower. The minima ALS stops in on a
+    loopy network (the Odd one) usually have a few cores wrong and the rest right: restarting
+    those few keeps what is right, where a fresh start loses it. Stops after ``hops`` hops, or
+    after as many hops in a row as there are cores without a gain of 1%."""
+    gen = torch.Generator().manual_seed(len(best[1]))  # the global RNG stays untouched
+    error, cores = best
+    names = list(cores)
+    idle = 0
+    screen = max(tol, 1e-5)  # a hop's sweeps stop early; the best is polished at the end
+    patience = max(hops // 2, 1)
+    for _ in range(hops):
+        if error < 1e-13 or idle >= patience:
+            break
+        k = 1 + int(torch.randint(min(3, len(names) - 1), (), generator=gen))
+        chosen = [names[int(i)] for i in torch.randperm(len(names), generator=gen)[:k]]
+        trial = dict(cores)
+        for n in chosen:
+            rms = float(trial[n].square().mean().sqrt()) or stds[n]
+            draw = torch.randn(trial[n].shape, generator=gen, dtype=torch.float64) * rms
+            trial[n] = draw.to(w.device)
+        order = chosen + [n for n in names if n not in chosen]
+        trial_error, trial = _als(stds, problems, order, whole, w, trial, sweeps, screen)
+        idle = 0 if trial_error < 0.99 * error else idle + 1
+        if trial_error < error:
+            error, cores = trial_error, trial
+    return _als(stds, problems, names, whole, w, cores, sweeps, tol) if screen > tol else \
+        (error, cores)
 
 
 class _Problem:

@@ -123,22 +123,24 @@ class Layer(nn.Module):
         return decompose.dense_weight(self.network, dict(self.named_parameters()))
 
     def fit_(self, weight: torch.Tensor, *, max_iter: int = 200, tol: float = 1e-7,
-             starts: int = 4) -> float:
+             starts: int = 4, hops: int = 64) -> float:
         """Set the cores, in place, so that :meth:`dense_weight` approximates ``weight`` (an
         ``nn.ConvNd``/``nn.Linear`` weight of that shape); return the relative error
         ``||dense_weight() - weight|| / ||weight||`` reached, computed from the cores as set.
 
         Alternating least squares from an SVD start (Tucker factors, chain ends) or, for cores
-        without one, the best of ``starts`` Graph-in random starts; at most ``max_iter``
-        sweeps, stopping when one improves the error by less than ``tol`` of it. Works for any
-        conv-like or linear-like network, on the layer's device, in float64 internally. The
-        bias is left alone. The global RNG is untouched."""
+        without one, the best of ``starts`` Graph-in random starts, then up to ``hops`` basin
+        hops (a few cores of the best fit redrawn and the sweeps run again, kept when better:
+        what lets loopy networks such as Odd reach their optimum); at most ``max_iter``
+        sweeps a run, stopping when one improves the error by less than ``tol`` of it. Works
+        for any conv-like or linear-like network, on the layer's device, in float64
+        internally. The bias is left alone. The global RNG is untouched."""
         if not isinstance(weight, torch.Tensor):
             raise TypeError(f"fit_ takes the dense weight as a torch.Tensor, got "
                             f"{type(weight).__name__}")
         first = next(iter(self.parameters()))
         cores = decompose.fit(self.network, weight.detach().to(first.device), max_iter=max_iter,
-                              tol=tol, starts=starts)
+                              tol=tol, starts=starts, hops=hops)
         with torch.no_grad():
             for name, tensor in cores.items():
                 getattr(self, name).copy_(tensor)
@@ -201,9 +203,9 @@ class Layer(nn.Module):
         the cores' device, or recalled from the calibration cache where a process timed it
         before. The model's order stays unless another is measured at least 10% faster
         (``calibration.MARGIN``); an order the cost model prices at more than
-        ``calibration.PRUNE`` times the cheapest is not timed. Timing uses its own random generator and gradients, so that
-        the global RNG, ``no_grad``, ``inference_mode`` and frozen cores are left as they
-        are."""
+        ``calibration.PRUNE`` times the cheapest is not timed. Timing uses its own random
+        generator and gradients, so that the global RNG, ``no_grad``, ``inference_mode`` and
+        frozen cores are left as they are."""
         bound = bind_shape(self.network, shape)
         candidates: dict[str, type] = {}
         cheapest = math.inf
