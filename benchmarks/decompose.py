@@ -2,7 +2,7 @@
 (``parafac``, ``partial_tucker``, ``tensor_train``: what TensorLy-Torch's ``from_conv`` runs), at
 equal ranks, and exact recovery for every format.
 
-    python benchmarks/decompose.py            # the tables (about 5 min on 2 CPU threads)
+    python benchmarks/decompose.py            # the tables (about 7.5 min on 2 CPU threads)
     python benchmarks/decompose.py --smoke    # tiny sizes, one rank, one seed, in process (tests)
     python benchmarks/decompose.py --hops 0   # exact recovery without basin hops
 

@@ -188,7 +188,7 @@ def _hop(stds: Mapping[str, float], problems: Mapping[str, "_Problem"], whole, w
     sweep ALS again, and keep the result when its error is lower. The minima ALS stops in on a
     loopy network (the Odd one) usually have a few cores wrong and the rest right: restarting
     those few keeps what is right, where a fresh start loses it. Stops after ``hops`` hops, or
-    after as many hops in a row as there are cores without a gain of 1%."""
+    after ``hops // 2`` hops in a row without a gain of 1%."""
     gen = torch.Generator().manual_seed(len(best[1]))  # the global RNG stays untouched
     error, cores = best
     names = list(cores)
