@@ -50,6 +50,17 @@ def test_basin_hops_recover_the_odd_network_where_one_start_stalls():
     assert error == pytest.approx(_true_error(layer, weight), rel=1e-6)
 
 
+def test_hops_stop_after_the_probe_on_a_weight_the_format_only_approximates(monkeypatch):
+    # a random kernel has no exact Odd fit: the first hops gain little, so hopping stops
+    # there instead of running out its patience (32 idle hops for hops=64)
+    runs = []
+    als = decompose._als
+    monkeypatch.setattr(decompose, "_als", lambda *a, **k: runs.append(1) or als(*a, **k))
+    weight = torch.randn(16, 16, 3, 3, generator=torch.Generator().manual_seed(0))
+    formats.build("odd", 16, 16, 3, padding=1, rank=0.2).layer().fit_(weight, starts=1)
+    assert len(runs) == 1 + decompose._PROBE + 1  # the start, the probe hops, the polish
+
+
 def test_fit_of_a_linear_layer_matches_the_outputs_of_the_fitted_layer():
     fmt = formats.tt(64, 48, rank=4, in_modes=(4, 4, 4), out_modes=(4, 4, 3))
     weight = _instance(fmt, seed=1)
