@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import importlib.util
 import io
+import os
 import subprocess
 import sys
 from contextlib import redirect_stdout
@@ -19,7 +20,7 @@ import tnspec
 from tnspec.api import example_shape, generate
 from tnspec.cli import main
 
-from .conftest import EXAMPLES
+from .conftest import EXAMPLES, ROOT
 
 
 def load(source: str, tmp_path, name: str = "generated"):
@@ -220,3 +221,22 @@ def test_planned_intermediates_are_bounded_before_anything_is_allocated():
     with pytest.raises(tnspec.SpecError, match=r"t2\[b, o, h\] would take 62.5 KiB \(16,000 "
                        r"elements at the batch b=2\), more than the limit of 9.8 KiB"):
         module(torch.randn(2, 8, 1000))
+
+
+def test_generated_source_does_not_depend_on_the_process_hash_seed(tmp_path):
+    """`tnspec compile` is reproducible: two processes with different string hashes (hence
+    different set orders) write the same text, for every example and some random formats."""
+    code = ("import sys, pathlib, tnspec\n"
+            "for p in sorted(pathlib.Path(sys.argv[1], 'examples').glob('*.tn')):\n"
+            "    print(tnspec.generate(p.read_text()))\n"
+            "for seed in range(8):\n"
+            "    f = tnspec.formats.random(seed)\n"
+            "    print(tnspec.generate(f.spec, sizes=f.sizes))\n")
+    outputs = []
+    for seed in ("1", "2", "3"):
+        env = {**os.environ, "PYTHONHASHSEED": seed, "TNSPEC_CALIBRATE": "0"}
+        out = subprocess.run([sys.executable, "-c", code, str(ROOT)], env=env, text=True,
+                             capture_output=True, timeout=300)
+        assert out.returncode == 0, out.stderr
+        outputs.append(out.stdout)
+    assert outputs[0] == outputs[1] == outputs[2]

@@ -231,7 +231,7 @@ def assign_roles(data: Tensor, cores: Iterable[Tensor], result: Tensor,
     sources = {c.source for c in convs}
     targets = {c.target for c in convs}
     kernels = {c.kernel for c in convs if c.kernel is not None}
-    in_cores = Counter(n for c in cores for n in set(c.indices))
+    in_cores = Counter(n for c in cores for n in dict.fromkeys(c.indices))  # set order varies
     data_names, result_names = set(data.indices), set(result.indices)
     names = dict.fromkeys([*data.indices, *in_cores, *result.indices])
     roles: dict[str, Role] = {}
