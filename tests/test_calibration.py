@@ -231,6 +231,35 @@ def test_layers_time_their_candidate_orders_once_and_keep_the_fastest_in_the_cac
     assert len(timed) == 4
 
 
+def test_an_order_timed_among_other_code_is_timed_again(calibrated, monkeypatch):
+    """A remembered order is recalled only for the code it was timed with: a cache written by
+    a build of tnspec that lowered the candidates differently (or before choices carried a
+    fingerprint) is timed again and overwritten, not trusted."""
+    tnspec.calibrate()
+    monkeypatch.setattr(calibration, "time_mixing",
+                        lambda step, device, dtype, repeats: {"conv1x1": 1.0, "einsum": 2.0})
+    timed = []
+    real = tnspec.Layer._time
+    monkeypatch.setattr(tnspec.Layer, "_time",
+                        lambda self, classes, *a: timed.append(1) or real(self, classes, *a))
+    x = torch.randn(4, 16, 8, 8)
+    tnspec.layer(TUCKER2, c=16, o=16, r0=2, r1=3, kh=3, kw=3)(x)
+    data = json.loads(calibrated.read_text())
+    (key, choice), = [(k, v) for k, v in data["choices"].items() if "order" in v]
+    assert len(choice["code"]) == 16 and len(timed) == 1
+    unmarked = {"order": choice["order"], "seconds": choice["seconds"]}  # an older cache
+    for stale in ({**choice, "code": "another build"}, unmarked):
+        data["choices"][key] = stale
+        calibrated.write_text(json.dumps(data))
+        calibration.forget()
+        tnspec.layer(TUCKER2, c=16, o=16, r0=2, r1=3, kh=3, kw=3)(x)
+        assert json.loads(calibrated.read_text())["choices"][key]["code"] == choice["code"]
+    assert len(timed) == 3
+    calibration.forget()
+    tnspec.layer(TUCKER2, c=16, o=16, r0=2, r1=3, kh=3, kw=3)(x)  # the same code: recalled
+    assert len(timed) == 3
+
+
 def test_a_choice_is_timed_at_a_capped_batch():
     big = Mixing(4096, 1, 512, 512, (128, 128))
     assert measure.batch_class(big) == 1

@@ -200,9 +200,10 @@ class Layer(nn.Module):
     def _fastest(self, shape: tuple[int, ...], channels_last: bool = False,
                  repeats: int = 5) -> type:
         """The fastest distinct candidate order for ``shape``, timed forward and backward on
-        the cores' device, or recalled from the calibration cache where a process timed it
-        before. The model's order stays unless another is measured at least 10% faster
-        (``calibration.MARGIN``); an order the cost model prices at more than
+        the cores' device, or recalled from the calibration cache where a process timed the
+        same candidates' code before (where another build of tnspec lowers them differently,
+        they are timed again). The model's order stays unless another is measured at least
+        10% faster (``calibration.MARGIN``); an order the cost model prices at more than
         ``calibration.PRUNE`` times the cheapest is not timed. Timing uses its own random
         generator and gradients, so that the global RNG, ``no_grad``, ``inference_mode`` and
         frozen cores are left as they are."""
@@ -233,15 +234,16 @@ class Layer(nn.Module):
             (" channels_last" if channels_last else "")
         kept = calibration.measures(first.device)
         found = calibration.recall(first.device, first.dtype, what) if kept else None
-        if found is not None and found.get("order") in candidates:
-            return candidates[found["order"]]
+        code = runtime.fingerprint(*candidates.values())
+        if found is not None and found.get("order") in candidates and found.get("code") == code:
+            return candidates[found["order"]]  # timed among the very same code
         seconds = self._time(list(candidates.values()), shape, repeats, channels_last)
         best = min(range(len(seconds)), key=seconds.__getitem__)
         if seconds[best] >= calibration.MARGIN * seconds[0]:
             best = 0  # the model's order, which `tnspec compile` writes, unless clearly slower
         if kept:
             calibration.remember(first.device, first.dtype, what, {
-                "order": list(candidates)[best], "seconds": seconds[best]})
+                "order": list(candidates)[best], "code": code, "seconds": seconds[best]})
         return list(candidates.values())[best]
 
     def _time(self, classes: list[type], shape: tuple[int, ...], repeats: int,
