@@ -197,14 +197,16 @@ def test_layers_time_their_candidate_orders_once_and_keep_the_fastest_in_the_cac
     layouts = []
 
     def count(self, classes, shape, repeats, channels_last=False):
-        timed.append(len(classes))
-        layouts.append(channels_last)
+        # one entry per layer and layout that timed (a lead is confirmed in a second call)
+        if (self, channels_last) not in [(s, c) for s, c, _ in timed]:
+            timed.append((self, channels_last, len(classes)))
+            layouts.append(channels_last)
         return real(self, classes, shape, repeats, channels_last)
     monkeypatch.setattr(tnspec.Layer, "_time", count)
     x = torch.randn(4, 16, 8, 8)
     layer = tnspec.layer(TUCKER2, c=16, o=16, r0=2, r1=3, kh=3, kw=3)
     y = layer(x)
-    assert timed and timed[0] >= 2  # several distinct orders were timed
+    assert timed and timed[0][2] >= 2  # several distinct orders were timed
     orders = [v for v in json.loads(calibrated.read_text())["choices"].values()
               if "order" in v]
     assert len(orders) == 1 and orders[0]["seconds"] > 0
@@ -240,8 +242,12 @@ def test_an_order_timed_among_other_code_is_timed_again(calibrated, monkeypatch)
                         lambda step, device, dtype, repeats: {"conv1x1": 1.0, "einsum": 2.0})
     timed = []
     real = tnspec.Layer._time
-    monkeypatch.setattr(tnspec.Layer, "_time",
-                        lambda self, classes, *a: timed.append(1) or real(self, classes, *a))
+
+    def count(self, classes, *args):
+        if not any(layer is self for layer in timed):  # a lead is confirmed in a second call
+            timed.append(self)
+        return real(self, classes, *args)
+    monkeypatch.setattr(tnspec.Layer, "_time", count)
     x = torch.randn(4, 16, 8, 8)
     tnspec.layer(TUCKER2, c=16, o=16, r0=2, r1=3, kh=3, kw=3)(x)
     data = json.loads(calibrated.read_text())
