@@ -225,13 +225,19 @@ def test_planned_intermediates_are_bounded_before_anything_is_allocated():
 
 def test_generated_source_does_not_depend_on_the_process_hash_seed(tmp_path):
     """`tnspec compile` is reproducible: two processes with different string hashes (hence
-    different set orders) write the same text, for every example and some random formats."""
+    different set orders) write the same text, for every example and some random formats,
+    and give its code the same fingerprint (what the autotuner's cache recalls orders by)."""
     code = ("import sys, pathlib, tnspec\n"
+            "from tnspec import runtime\n"
+            "from tnspec.shapes import example_shape\n"
             "for p in sorted(pathlib.Path(sys.argv[1], 'examples').glob('*.tn')):\n"
             "    print(tnspec.generate(p.read_text()))\n"
             "for seed in range(8):\n"
             "    f = tnspec.formats.random(seed)\n"
-            "    print(tnspec.generate(f.spec, sizes=f.sizes))\n")
+            "    print(tnspec.generate(f.spec, sizes=f.sizes))\n"
+            "    layer = f.layer(autotune=False)\n"
+            "    shape = tuple(example_shape(layer.network, {}))\n"
+            "    print(runtime.fingerprint(layer._planned(shape)))\n")
     outputs = []
     for seed in ("1", "2", "3"):
         env = {**os.environ, "PYTHONHASHSEED": seed, "TNSPEC_CALIBRATE": "0"}
