@@ -2,7 +2,7 @@
 typical conv layer (64 -> 64 channels, 3x3, padding 1, batch 32, 32x32), at 5%, 10%, 25% and
 50% of the dense layer's parameters.
 
-    python benchmarks/choosing.py            # the table (40 s cold, 17 s cached, 2 threads)
+    python benchmarks/choosing.py            # the table (45 s cold, 20 s cached, 2 threads)
     python benchmarks/choosing.py --write    # ... and rewrite docs/choosing.md and choosing.png
     python benchmarks/choosing.py --smoke    # tiny sizes, once (tests)
 
