@@ -10,7 +10,6 @@ the class its last eager call ran.
 
 from __future__ import annotations
 
-import math
 import time
 from collections import OrderedDict
 from typing import Any, Callable, Sequence
@@ -209,20 +208,19 @@ class Layer(nn.Module):
         generator and gradients, so that the global RNG, ``no_grad``, ``inference_mode`` and
         frozen cores are left as they are."""
         bound = bind_shape(self.network, shape)
-        candidates: dict[str, type] = {}
-        cheapest = math.inf
+        plans = []
         for name in ("auto", "greedy", "dense-first", "left-to-right"):
             try:
-                candidate = plan(bound, name, max_bytes=self.max_bytes,
-                                 itemsize=self._itemsize(), **self._measured())
+                plans.append(plan(bound, name, max_bytes=self.max_bytes,
+                                  itemsize=self._itemsize(), **self._measured()))
             except SpecError:
                 if name == "auto":
                     raise  # the layer's own error for this shape
-                continue
-            predicted = sum(s.seconds for s in candidate.steps)
-            cheapest = min(cheapest, predicted)
-            if name != "auto" and predicted > calibration.PRUNE * cheapest:
-                continue  # not worth timing (see PRUNE)
+        predicted = [sum(s.seconds for s in p.steps) for p in plans]
+        candidates: dict[str, type] = {}
+        for i, candidate in enumerate(plans):
+            if i and predicted[i] > calibration.PRUNE * min(predicted):
+                continue  # not worth timing (see PRUNE); the model's own order always is
             key = repr(tuple((s.left.indices, s.right.indices, s.op) for s in candidate.steps))
             if key not in candidates:
                 candidates[key] = runtime.layer_class(self.network, candidate,
@@ -250,7 +248,7 @@ class Layer(nn.Module):
         if kept:
             calibration.remember(first.device, first.dtype, what, {
                 "order": list(candidates)[best], "code": code, "seconds": seconds[best]})
-        return list(candidates.values())[best]
+        return classes[best]
 
     def _time(self, classes: list[type], shape: tuple[int, ...], repeats: int,
               channels_last: bool = False) -> list[float]:
