@@ -210,6 +210,16 @@ def test_the_compile_plan_is_a_dynamo_constant_and_not_made_at_construction():
     assert tnspec.layer(TEXT, c=8)._classes == {}  # building planned nothing
 
 
+def test_each_layer_and_each_copy_is_traced_under_a_name_of_its_own():
+    """The compile path finds the layer by a name (a constant to dynamo in every torch
+    release); a copy or an unpickled layer is another layer, with another name."""
+    a = make()
+    copies = [copy.deepcopy(a), copy.copy(a), pickle.loads(pickle.dumps(a))]
+    names = [m._trace_name for m in (a, *copies)]
+    assert len(set(names)) == 4
+    assert all(tnspec.module._TRACED[n] is m for n, m in zip(names, (a, *copies)))
+
+
 def test_torch_export_inline_and_generated(tmp_path):
     x = torch.randn(2, 64, 8, 8)
     for module in (make(), generated(tmp_path)):

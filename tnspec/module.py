@@ -10,7 +10,9 @@ the class its last eager call ran.
 
 from __future__ import annotations
 
+import itertools
 import time
+import weakref
 from collections import OrderedDict
 from typing import Any, Callable, Sequence
 
@@ -73,15 +75,22 @@ class Layer(nn.Module):
         self.reset_parameters()
 
     def _drop_code(self) -> None:
-        """Forget the loaded code (it is planned again on the next call)."""
+        """Forget the loaded code (it is planned again on the next call); name the layer for
+        tracing anew (a copy is another layer)."""
+        name = f"layer{next(_names)}"
+        _TRACED[name] = self
+        self.__dict__["_trace_name"] = name
         self._classes: OrderedDict[tuple[int, ...], type] = OrderedDict()
         self._last_class: type | None = None
         self._last_shape: torch.Size | None = None
         self._last_stride: tuple[int, ...] | None = None
+        self._last_autocast: torch.dtype | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()  # generated classes are rebuilt, not pickled
-        del state["_classes"], state["_last_class"], state["_last_shape"], state["_last_stride"]
+        for name in ("_classes", "_last_class", "_last_shape", "_last_stride", "_last_autocast",
+                     "_trace_name"):
+            del state[name]
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -98,14 +107,21 @@ class Layer(nn.Module):
         return plan(bind_shape(self.network, tuple(shape)), self.planner,
                     max_bytes=self.max_bytes, itemsize=self._itemsize(), **self._measured())
 
-    def _itemsize(self) -> int:
+    def _where(self) -> tuple[torch.device, torch.dtype]:
+        """The device the cores live on and the dtype the contraction runs in there: the
+        cores' own, or autocast's where it is on for that device and the cores are float32."""
         first = next(self.parameters(), None)
-        return first.element_size() if first is not None else 4
+        if first is None:
+            return torch.device("cpu"), torch.float32
+        lower = _autocast(first.device.type) if first.dtype == torch.float32 else None
+        return first.device, lower or first.dtype
+
+    def _itemsize(self) -> int:
+        return self._where()[1].itemsize
 
     def _measured(self) -> dict[str, Any]:
-        """The cost model and op chooser of the device and dtype the cores live on."""
-        first = next(self.parameters(), None)
-        where = (first.device, first.dtype) if first is not None else ("cpu", torch.float32)
+        """The cost model and op chooser of the device and dtype the contraction runs in."""
+        where = self._where()
         return dict(model=calibration.cost_model(*where), choose=calibration.chooser(*where))
 
     def program(self, shape: Sequence[int], channels_last: bool = False) -> Program:
@@ -155,8 +171,11 @@ class Layer(nn.Module):
         are timed on a ``channels_last`` input when the caller's is), then cached (least
         recently used first out beyond ``plan_cache_size``). Batch sizes within a factor of
         two share a class (see :func:`~tnspec.measure.size_class`): any plan computes any
-        shape, and a smaller last batch is not worth planning again."""
-        key = self._shape_key(shape) + (("channels_last",) if channels_last else ())
+        shape, and a smaller last batch is not worth planning again. Under autocast the
+        class is planned (and timed) for autocast's dtype, apart from the cores' own."""
+        where = self._where()
+        key = self._shape_key(shape) + (("channels_last",) if channels_last else ()) + \
+            ((str(where[1]),) if where[1] != next(self.parameters()).dtype else ())
         classes = self._classes
         if key in classes:
             classes.move_to_end(key)
@@ -227,12 +246,12 @@ class Layer(nn.Module):
                                                       channels_last)
         if len(candidates) == 1:
             return next(iter(candidates.values()))
-        first = next(iter(self.parameters()))
         sizes = ", ".join(f"{k}={v}" for k, v in sorted(self.sizes.items()))
         what = f"order of {self.spec} ({sizes}) for {list(self._shape_key(shape))}" + \
             (" channels_last" if channels_last else "")
-        kept = calibration.measures(first.device)
-        found = calibration.recall(first.device, first.dtype, what) if kept else None
+        device, dtype = self._where()
+        kept = calibration.measures(device)
+        found = calibration.recall(device, dtype, what) if kept else None
         code = runtime.fingerprint(*candidates.values())
         if found is not None and found.get("order") in candidates and found.get("code") == code:
             return candidates[found["order"]]  # timed among the very same code
@@ -246,7 +265,7 @@ class Layer(nn.Module):
         if seconds[best] >= calibration.MARGIN * seconds[0]:
             best = 0  # the model's order, which `tnspec compile` writes, unless clearly slower
         if kept:
-            calibration.remember(first.device, first.dtype, what, {
+            calibration.remember(device, dtype, what, {
                 "order": list(candidates)[best], "code": code, "seconds": seconds[best]})
         return classes[best]
 
@@ -281,9 +300,10 @@ class Layer(nn.Module):
             if _is_compiling():
                 # planning is plain Python that dynamo should not trace: it runs once, at
                 # trace time, as a constant (see _compilable_key)
-                cls = _COMPILABLE[_compilable_key(self)]
-            elif x.shape == self._last_shape and x.stride() == self._last_stride:
-                cls = self._last_class  # the hot path: the same shape and layout again
+                cls = _COMPILABLE[_compilable_key(self._trace_name)]
+            elif x.shape == self._last_shape and x.stride() == self._last_stride and \
+                    _autocast("cuda" if x.is_cuda else "cpu") == self._last_autocast:
+                cls = self._last_class  # the hot path: the same shape, layout and precision
             else:
                 shape = tuple(x.shape)
                 if len(shape) == self._unbatched_dims:  # planned as a batch of one
@@ -292,8 +312,8 @@ class Layer(nn.Module):
                     x.is_contiguous(memory_format=torch.channels_last)
                 cls = self._class(shape, last)  # also keeps the cache's order LRU
                 # not through nn.Module.__setattr__, which is slow
-                self.__dict__.update(_last_class=cls, _last_shape=x.shape,
-                                     _last_stride=x.stride())
+                self.__dict__.update(_last_class=cls, _last_shape=x.shape, _last_stride=x.stride(),
+                                     _last_autocast=_autocast("cuda" if x.is_cuda else "cpu"))
             return cls.forward(self, x)
         except AttributeError:
             if isinstance(x, torch.Tensor):
@@ -315,15 +335,27 @@ class Layer(nn.Module):
 
 _is_compiling = torch.compiler.is_compiling  # dynamo knows the function itself
 
+
+def _autocast(device_type: str) -> torch.dtype | None:
+    """Autocast's dtype where it is on for ``device_type``, else None."""
+    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) \
+        else None
+
+
 #: the classes compiled layers trace, by the name of their generated source
 _COMPILABLE: dict[str, type] = {}
+#: every layer by the name it is traced under: dynamo takes a constant function's arguments
+#: as constants, which a module is not in every torch release (2.11 refuses it)
+_TRACED: weakref.WeakValueDictionary[str, Layer] = weakref.WeakValueDictionary()
+_names = itertools.count()
 
 
-def _compilable_key(layer: Layer) -> str:
-    """Plan and load ``layer._compilable_class()``; the key it is kept under. Dynamo calls this
-    once per trace and takes the result as a constant, so that tracing (and ``fullgraph``
-    compiling before any eager call) needs no planning in the traced code."""
-    cls = layer._compilable_class()
+def _compilable_key(name: str) -> str:
+    """Plan and load the ``_compilable_class()`` of the layer traced as ``name``; the key it is
+    kept under. Dynamo calls this once per trace and takes the result as a constant, so that
+    tracing (and ``fullgraph`` compiling before any eager call) needs no planning in the traced
+    code."""
+    cls = _TRACED[name]._compilable_class()
     key = cls.forward.__code__.co_filename
     _COMPILABLE[key] = cls
     return key
