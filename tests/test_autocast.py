@@ -57,3 +57,21 @@ def test_generated_layers_give_the_dtype_of_the_dense_layer(device, dtype, tmp_p
         assert layer.bias is not None
         with torch.autocast(device, dtype):
             assert layer(x).dtype == dense(x).dtype == dtype
+
+
+def test_under_autocast_a_layer_is_planned_for_autocasts_dtype(monkeypatch):
+    """The cost model (and the timed order, where autotuning is on) is that of the dtype the
+    contraction runs in: planned once for float32 and once for bfloat16, each kept."""
+    asked = []
+    real = tnspec.calibration.cost_model
+    monkeypatch.setattr(tnspec.calibration, "cost_model",
+                        lambda device, dtype: asked.append(dtype) or real(device, dtype))
+    layer = tnspec.layer(CONV, **CONV_SIZES)
+    x = torch.randn(2, 8, 7, 7)
+    layer(x)
+    with torch.autocast("cpu", torch.bfloat16):
+        assert layer(x).dtype == torch.bfloat16
+        layer(x)
+    assert layer(x).dtype == torch.float32
+    assert asked == [torch.float32, torch.bfloat16]
+    assert len(layer._classes) == 2
