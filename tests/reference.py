@@ -58,7 +58,7 @@ def dense_forward(net: Network, x: torch.Tensor, cores: dict[str, torch.Tensor],
     for c in net.convs:
         k = sizes[c.kernel] if c.kernel else 1
         P = dummy(sizes[c.source], sizes[c.target], k, c.stride, c.dilation, c.padding,
-                  c.input_dilation, x.dtype)
+                  c.input_dilation, x.dtype).to(x.device)
         if c.kernel is None:
             P = P[:, :, 0]
             kernel_less[c.source] = True

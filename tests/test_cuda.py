@@ -1,0 +1,93 @@
+"""CUDA correctness: the zoo against the dense reference, generated code, calibration and
+autotuning on the GPU, torch.compile across sizes. Skipped where no CUDA device is present.
+(Autocast on CUDA: test_autocast.py; fitting on CUDA: test_decompose.py.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tnspec
+from tnspec import calibration
+
+from .test_backend import compare
+from .test_codegen import load
+from .zoo import FORMATS, spec
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+TWO_D = [(fmt, stride) for fmt in FORMATS for stride in (1, 2)]
+TUCKER2 = "x[b, c, h+kh-1, w+kw-1], U[c, r0], G[r0, r1, kh, kw], V[r1, o] -> y[b, o, h, w]"
+SIZES = dict(c=16, o=12, r0=4, r1=5, kh=3, kw=3)
+
+
+@pytest.fixture
+def calibrated(tmp_path, monkeypatch):
+    """Calibration on, with an empty cache of its own."""
+    monkeypatch.setenv(calibration.ENV_SWITCH, "1")
+    monkeypatch.setenv(calibration.ENV_DIR, str(tmp_path))
+    calibration.forget()
+    yield tmp_path / calibration.FILE_NAME
+    calibration.forget()
+
+
+@pytest.mark.parametrize("mixing", ["conv1x1", "einsum"])
+@pytest.mark.parametrize("fmt, stride", TWO_D, ids=[f"{f}-s{s}" for f, s in TWO_D])
+def test_zoo_on_cuda_matches_the_dense_reference(fmt, stride, mixing, monkeypatch):
+    """float64 on the GPU, forward and backward, in both layouts, each way of mixing
+    channels (cuDNN's float64 kernels are exact to rounding, as on the CPU)."""
+    monkeypatch.setattr(calibration, "chooser", lambda *a, **k: lambda step: mixing)
+    text, sizes, shape = spec(fmt, 2, stride, "same", 1)
+    torch.manual_seed(0)
+    module = tnspec.layer(text, dtype=torch.float64, device="cuda", **sizes)
+    with torch.no_grad():
+        if module.bias is not None:
+            module.bias.normal_()
+    x = torch.randn(2, *shape, dtype=torch.float64, device="cuda")
+    compare(module, x)
+    compare(module, x.contiguous(memory_format=torch.channels_last))
+
+
+def test_generated_code_on_cuda_equals_the_inline_layer(tmp_path):
+    inline = tnspec.layer(TUCKER2, device="cuda", **SIZES)
+    module = load(tnspec.generate(TUCKER2, **SIZES), tmp_path, "on_cuda")
+    generated = [v for k, v in vars(module).items() if isinstance(v, type) and
+                 issubclass(v, torch.nn.Module) and v.__module__ == module.__name__][0]()
+    generated.load_state_dict(inline.state_dict())
+    generated.cuda()
+    x = torch.randn(4, 16, 10, 10, device="cuda")
+    with torch.backends.cudnn.flags(allow_tf32=False):
+        torch.testing.assert_close(generated(x), inline(x), rtol=1e-5, atol=1e-5)
+
+
+def test_calibration_and_autotuning_on_cuda(calibrated):
+    """Calibration measures the GPU and is cached under its name; the autotuned layer computes
+    what the model's order computes and leaves both random generators alone, under
+    ``inference_mode`` and with frozen cores too."""
+    found = tnspec.calibrate("cuda")
+    assert found.key.startswith(f"cuda {torch.cuda.get_device_name()}") and calibrated.exists()
+    assert found.model.conv_rate > 0
+    for context in (torch.enable_grad, torch.inference_mode):
+        layer = tnspec.layer(TUCKER2, device="cuda", **SIZES)
+        layer.requires_grad_(context is torch.enable_grad)
+        x = torch.randn(8, 16, 12, 12, device="cuda")
+        cpu, gpu = torch.get_rng_state(), torch.cuda.get_rng_state()
+        with context(), torch.backends.cudnn.flags(allow_tf32=False):
+            y = layer(x)
+            want = layer._planned(tuple(x.shape)).forward(layer, x)
+        assert torch.equal(torch.get_rng_state(), cpu)
+        assert torch.equal(torch.cuda.get_rng_state(), gpu)
+        torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5)
+    assert any(c.key == found.key for c in calibration.cached())
+
+
+def test_default_torch_compile_on_cuda_across_sizes():
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(tnspec.layer(TUCKER2, **SIZES), torch.nn.ReLU(),
+                                tnspec.layer(TUCKER2, **{**SIZES, "c": 12})).cuda()
+    compiled = torch.compile(model)
+    with torch.backends.cudnn.flags(allow_tf32=False):
+        for shape in ((2, 16, 16, 16), (2, 16, 12, 12), (3, 16, 20, 20)):
+            x = torch.randn(shape, device="cuda")
+            torch.testing.assert_close(compiled(x), model(x), rtol=1e-4, atol=1e-4)
