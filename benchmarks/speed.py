@@ -5,6 +5,7 @@
     python benchmarks/speed.py --write    # ... and rewrite benchmarks/RESULTS.md and speed.png
     python benchmarks/speed.py --quick    # a subset (batch 32, linear, whole models), ~5 min
     python benchmarks/speed.py --smoke    # tiny sizes: runs everything once, cross-checks
+    python benchmarks/speed.py --device cuda --repeats 25 --write [--autocast bf16]
 
 Every tnspec layer whose format a library implements is first checked against it: the
 library's cores are copied into the tnspec layer and both must give the same output. Timing:
@@ -14,11 +15,18 @@ process. Memory: bytes the forward pass saves for the backward pass plus the out
 activation memory of training; parameters excluded), read with saved-tensor hooks. The memory
 floor of a case is the fwd+bwd time of one elementwise op (a learnable per-channel scale) over
 its input, in the same run: traffic no layer over that input can avoid.
+
+On CUDA each run is timed from a synchronized start to a synchronized end (launch overhead
+included, as a training step sees it), with PyTorch's default precision settings (cuDNN may
+use TF32 for float32 convolutions, matmuls do not); the cross-checks run in full float32.
+``--autocast bf16`` times every module under ``torch.autocast``; the compiled case is left out
+on CUDA unless ``--compiled`` (compiling each module with Inductor and Triton takes minutes).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import math
 import platform
@@ -27,7 +35,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 from torch import nn
@@ -41,7 +49,8 @@ import tnspec  # noqa: E402
 HERE = Path(__file__).resolve().parent
 
 
-def fwd_bwd(module: nn.Module, x: torch.Tensor) -> Callable[[], None]:
+def fwd_bwd(module: nn.Module, x: torch.Tensor, autocast: torch.dtype | None = None
+            ) -> Callable[[], None]:
     """One forward and backward step as an inner layer of a network sees it. The output's
     gradient is a dense tensor in the output's layout, as the next layer gives
     (``y.sum().backward()`` would hand every layer a stride-0 gradient). The input's gradient is
@@ -49,19 +58,32 @@ def fwd_bwd(module: nn.Module, x: torch.Tensor) -> Callable[[], None]:
     keeps its gradient from one step to the next, and doing so changed which layers' backward
     wrote into freshly mapped memory (page faults inside the backward convolution) by more than
     the candidates being compared differ. The parameters' gradients are fresh tensors each step,
-    as after ``optimizer.zero_grad()``."""
+    as after ``optimizer.zero_grad()``. ``autocast``: the forward runs under
+    ``torch.autocast`` with that dtype, as in mixed-precision training."""
     grad: list[torch.Tensor] = []
     inputs = [x, *(p for p in module.parameters() if p.requires_grad)]
 
     def run() -> None:
-        y = module(x)
+        with precision(x.device, autocast):
+            y = module(x)
         if not grad:
             grad.append(torch.ones_like(y))
         torch.autograd.grad(y, inputs, grad[0])
     return run
 
 
-def interleaved(runs: list[Callable[[], None]], rounds: int) -> list[list[float]]:
+def precision(device: torch.device, autocast: torch.dtype | None
+              ) -> contextlib.AbstractContextManager:
+    return torch.autocast(device.type, autocast) if autocast else contextlib.nullcontext()
+
+
+def _sync(device: torch.device) -> Callable[[], None]:
+    """What waits for the device's queued work (nothing on the CPU)."""
+    return (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else lambda: None
+
+
+def interleaved(runs: list[Callable[[], None]], rounds: int,
+                sync: Callable[[], None] = lambda: None) -> list[list[float]]:
     """Seconds of each run in each round. Every round runs each once, in a fresh shuffled order
     (fixed seed): a run's time depends on what ran just before it (caches, the allocator's free
     lists), and in a fixed order two identical layers side by side read further apart than the
@@ -72,13 +94,16 @@ def interleaved(runs: list[Callable[[], None]], rounds: int) -> list[list[float]
     for _ in range(rounds):
         shuffle(order)
         for n in order:
+            sync()
             start = time.perf_counter()
             runs[n]()
+            sync()
             times[n].append(time.perf_counter() - start)
     return times
 
 
-def activation_bytes(module: nn.Module, x: torch.Tensor) -> int:
+def activation_bytes(module: nn.Module, x: torch.Tensor, autocast: torch.dtype | None = None
+                     ) -> int:
     """Bytes saved for backward (each storage once) plus the output's."""
     seen: dict[int, int] = {}
     params = {p.untyped_storage().data_ptr() for p in module.parameters()}
@@ -89,18 +114,20 @@ def activation_bytes(module: nn.Module, x: torch.Tensor) -> int:
             seen[s.data_ptr()] = s.nbytes()
         return t
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+            precision(x.device, autocast):
         y = module(x)
     seen[y.untyped_storage().data_ptr()] = y.untyped_storage().nbytes()
     return sum(seen.values())
 
 
 def cross_check(fmt: Format, x: torch.Tensor) -> list[str]:
-    """Copy each library's cores into the tnspec layer; the outputs must agree."""
+    """Copy each library's cores into the tnspec layer; the outputs must agree (in full
+    float32 on CUDA: no TF32)."""
     failures = []
     for name, build in list(fmt.anchors.items()):
         torch.manual_seed(0)
-        anchor = build()
+        anchor = build().to(x.device)
         try:
             anchor(x)
         except RuntimeError as e:  # tednet's TT views a channels_last input
@@ -113,9 +140,9 @@ def cross_check(fmt: Format, x: torch.Tensor) -> list[str]:
                 p.normal_(0, 0.3)
             if getattr(anchor, "bias", None) is not None:
                 anchor.bias.zero_()
-        layer = tnspec.layer(fmt.spec, **fmt.sizes)
+        layer = tnspec.layer(fmt.spec, device=x.device, **fmt.sizes)
         fmt.copy[name](anchor, layer)
-        with torch.no_grad():
+        with torch.no_grad(), full_float32():
             want, got = anchor(x), layer(x)
         err = ((got - want).abs().max() / want.abs().max()).item()
         status = "ok" if got.shape == want.shape and err < 1e-4 else "MISMATCH"
@@ -124,6 +151,18 @@ def cross_check(fmt: Format, x: torch.Tensor) -> list[str]:
         if status != "ok":
             failures.append(f"{fmt.name} vs {name}")
     return failures
+
+
+@contextlib.contextmanager
+def full_float32() -> Iterator[None]:
+    """No TF32 in CUDA convolutions and matmuls (their defaults differ) for exact comparisons."""
+    matmul = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        with torch.backends.cudnn.flags(enabled=True, allow_tf32=False):
+            yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = matmul
 
 
 class Floor(nn.Module):
@@ -141,11 +180,13 @@ class Floor(nn.Module):
 
 def case(title: str, formats: list[Format], dense: nn.Module, x: torch.Tensor, repeats: int,
          smoke: bool, *, variants: bool = True, compiled: bool = False,
-         extra: tuple[tuple[str, str, nn.Module], ...] = ()) -> tuple[list[dict], list[str]]:
+         extra: tuple[tuple[str, str, nn.Module], ...] = (),
+         autocast: torch.dtype | None = None) -> tuple[list[dict], list[str]]:
     """Time ``dense``, the memory floor, each format's tnspec layer (and, when ``variants``,
     the cost model's, the dense-first and the left-to-right order alone), its libraries and
-    the ``extra`` entries, interleaved.
-    ``compiled``: every module through default ``torch.compile`` (memory is not measured)."""
+    the ``extra`` entries, interleaved, on ``x``'s device.
+    ``compiled``: every module through default ``torch.compile`` (memory is not measured);
+    ``autocast``: every forward under ``torch.autocast`` with that dtype."""
     print(f"\n{title}: input {tuple(x.shape)}")
     failures: list[str] = []
     for fmt in formats:
@@ -165,6 +206,7 @@ def case(title: str, formats: list[Format], dense: nn.Module, x: torch.Tensor, r
         for name, build in fmt.anchors.items():
             entries.append((fmt.name, name, build()))
     entries += extra
+    entries = [(f, i, m.to(x.device)) for f, i, m in entries]
     if x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last):
         for _, _, m in entries:  # as model.to(memory_format=...) would, but 4-D tensors only:
             with torch.no_grad():  # it raises on the 5-D cores some formats have
@@ -175,14 +217,22 @@ def case(title: str, formats: list[Format], dense: nn.Module, x: torch.Tensor, r
         torch._dynamo.reset()
         entries = [(f, i, torch.compile(m)) for f, i, m in entries]
     x = x.detach().requires_grad_(True)
-    runs = [fwd_bwd(m, x) for _, _, m in entries]
-    for run in runs:  # warm-up: plans, allocator, mkldnn primitives (compiles, twice)
-        run()
-        if compiled:
+    runs = [fwd_bwd(m, x, autocast) for _, _, m in entries]
+    for n, run in reversed(list(enumerate(runs))):  # warm-up: plans, allocator, mkldnn
+        try:  # primitives (compiles, twice)
             run()
-    times = interleaved(runs, 1 if smoke else repeats)
+            if compiled:
+                run()
+        except RuntimeError as e:  # tednet's tensordot under autocast
+            fmt, impl, _ = entries[n]
+            if autocast is None or impl.startswith("tnspec") or fmt in ("dense", "floor"):
+                raise
+            print(f"  {fmt} {impl}: left out, the library fails under autocast: "
+                  f"{str(e).splitlines()[0][:90]}")
+            del entries[n], runs[n]
+    times = interleaved(runs, 1 if smoke else repeats, _sync(x.device))
     rows = [dict(case=title, format=fmt, impl=impl, ms=1000 * statistics.median(t),
-                 mb=math.nan if compiled else activation_bytes(m, x) / 2**20)
+                 mb=math.nan if compiled else activation_bytes(m, x, autocast) / 2**20)
             for (fmt, impl, m), t in zip(entries, times)]
     dense_ms, floor_ms = rows[0]["ms"], rows[1]["ms"]
     for row in rows:
@@ -241,10 +291,16 @@ def goals(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def machine() -> str:
+def machine(device: torch.device = torch.device("cpu")) -> str:
     import opt_einsum
     from tnspec.calibration import _cpu_name
-    return (f"{platform.platform()}; {_cpu_name()}; "
+    gpu = ""
+    if device.type == "cuda":
+        gpu = (f"{torch.cuda.get_device_name(device)} (CUDA {torch.version.cuda}, cuDNN "
+               f"{torch.backends.cudnn.version()}; TF32: cuDNN "
+               f"{torch.backends.cudnn.allow_tf32}, matmul "
+               f"{torch.backends.cuda.matmul.allow_tf32}); ")
+    return (f"{platform.platform()}; {gpu}{_cpu_name()}; "
             f"{torch.get_num_threads()} threads; python {platform.python_version()}, torch "
             f"{torch.__version__}, opt_einsum {opt_einsum.__version__}, tnspec "
             f"{tnspec.__version__}")
@@ -270,12 +326,14 @@ def steady_malloc(keep: bool = True) -> str:
     return "Allocator: the system's (not glibc: left as it is)"
 
 
-def calibration_text(refresh: bool) -> str:
-    """The planner's cost model on this CPU, as `tnspec calibrate` shows it."""
+def calibration_text(refresh: bool, device: torch.device = torch.device("cpu"),
+                     dtype: torch.dtype = torch.float32) -> str:
+    """The planner's cost model on ``device`` for ``dtype``, as `tnspec calibrate` shows it."""
     from tnspec import calibration
     if not calibration.enabled():
         return "Calibration: off (TNSPEC_CALIBRATE=0): the built-in constants"
-    return "Calibration: " + tnspec.calibrate(refresh=refresh).describe().replace("\n", ";")
+    found = tnspec.calibrate(device, dtype, refresh=refresh)
+    return "Calibration: " + found.describe().replace("\n", ";")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -291,11 +349,23 @@ def main(argv: list[str] | None = None) -> int:
                         "machine; the measured op choices are dropped too)")
     parser.add_argument("--system-malloc", action="store_true",
                         help="leave glibc's malloc at its defaults (see steady_malloc)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+    parser.add_argument("--autocast", choices=("bf16", "fp16"),
+                        help="every forward under torch.autocast with this dtype")
+    parser.add_argument("--compiled", action="store_true",
+                        help="on CUDA, also the compiled case (always on the CPU)")
+    parser.add_argument("--only", metavar="TEXT",
+                        help="only the cases whose title contains TEXT (--write then writes "
+                        "a block of their own)")
     args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device is available")
+    autocast = {"bf16": torch.bfloat16, "fp16": torch.float16, None: None}[args.autocast]
     allocator = steady_malloc(not args.system_malloc)
     torch.set_num_threads(args.threads)
-    calibrated = calibration_text(args.recalibrate)
-    print(machine())
+    calibrated = calibration_text(args.recalibrate, device, autocast or torch.float32)
+    print(machine(device))
     print(allocator)
     print(calibrated)
     for line in missing():
@@ -309,8 +379,10 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict] = []
     failures: list[str] = []
 
-    def run(*a, **k) -> None:
-        got, bad = case(*a, **k)
+    def run(title: str, *a, **k) -> None:
+        if args.only and args.only not in title:
+            return
+        got, bad = case(title, *a, autocast=autocast, **k)
         rows.extend(got)
         failures.extend(bad)
 
@@ -321,11 +393,11 @@ def main(argv: list[str] | None = None) -> int:
     if full or args.smoke:
         specs += [(f"conv stride 2 b={batches[0]}", 2, batches[0], False, False),
                   (f"conv channels_last b={batches[0]}", 1, batches[0], True, False)]
-    if full:  # compiling each module takes seconds: not in the smoke run
+    if full and (device.type == "cpu" or args.compiled):  # compiling takes seconds a module
         specs.append((f"conv compiled b={batches[0]}", 1, batches[0], False, True))
     for title, stride, batch, last, compiled in specs:
         torch.manual_seed(0)
-        x = torch.randn(batch, c, hw, hw)
+        x = torch.randn(batch, c, hw, hw, device=device)
         if last:
             x = x.contiguous(memory_format=torch.channels_last)
         dense = nn.Conv2d(c, c, 3, stride=stride, padding=1)
@@ -335,8 +407,8 @@ def main(argv: list[str] | None = None) -> int:
         run(title, formats, dense, x, repeats, args.smoke, variants=not compiled,
             compiled=compiled)
     lin = linear_format(r if not args.smoke else 2)
-    run(f"linear b={lin_batch}", [lin], nn.Linear(784, 500), torch.randn(lin_batch, 784),
-        repeats, args.smoke)
+    run(f"linear b={lin_batch}", [lin], nn.Linear(784, 500),
+        torch.randn(lin_batch, 784, device=device), repeats, args.smoke)
     if full or args.smoke:
         pointwise = Format("tt-pointwise", "x[b, (c0 c1), h, w], A[c0, o0, r], B[r, c1, o1] "
                            "-> y[b, (o0 o1), h, w]",
@@ -344,37 +416,46 @@ def main(argv: list[str] | None = None) -> int:
                            dict(c0=3, c1=4, o0=3, o1=4, r=2))
         n = 12 * 8 if full else 12
         run(f"pointwise conv b={batches[0]}", [pointwise], nn.Conv2d(n, n, 1),
-            torch.randn(batches[0], n, hw, hw), repeats, args.smoke)
+            torch.randn(batches[0], n, hw, hw, device=device), repeats, args.smoke)
         m, tokens, rank = (16, 2048, 16) if full else (3, 8, 2)
         mlp = Format("tt-linear-4096" if full else "tt-linear-3d",
                      "x[b, (i0 i1 i2)], A[i0, o0, r0], B[r0, i1, o1, r1], C[r1, i2, o2] "
                      "-> y[b, (o0 o1 o2)]",
                      dict(i0=m, i1=m, i2=m, o0=m, o1=m, o2=m, r0=rank, r1=rank))
         run(f"transformer MLP {tokens} tokens", [mlp], nn.Linear(m ** 3, m ** 3),
-            torch.randn(tokens, m ** 3), min(repeats, 3), args.smoke)
-        # ResNet-50's stage widths at batch 8 (batch 32 takes minutes per row on 2 threads)
+            torch.randn(tokens, m ** 3, device=device), min(repeats, 3), args.smoke)
+        # ResNet-50's stage widths at batch 8 on the CPU (batch 32 takes minutes per row on 2
+        # threads), at batch 32 on a GPU
+        stage_batch = 32 if device.type == "cuda" else 8
         for width, side in ((256, 56), (512, 28)) if full else ((16, 8),):
             formats = [f for f in conv_formats(width, width, width // 8, 3, 1, modes)
                        if f.name in ("cp", "tucker2", "tt")]
-            run(f"resnet50 stage {width}ch {side}x{side} b=8", formats,
-                nn.Conv2d(width, width, 3, padding=1), torch.randn(8, width, side, side),
+            run(f"resnet50 stage {width}ch {side}x{side} b={stage_batch}", formats,
+                nn.Conv2d(width, width, 3, padding=1),
+                torch.randn(stage_batch, width, side, side, device=device),
                 min(repeats, 3), args.smoke, variants=False)
     for name in ("resnet18", "mobilenet_v2"):
         dense, tensorized, what = models.pair(name)
         print(f"\n{name}: {what}")
-        run(f"{name}-like b={batches[0]}", [], dense, torch.randn(batches[0], 3, 32, 32),
-            min(repeats, 5), args.smoke, extra=((name, "tnspec", tensorized),))
+        run(f"{name}-like b={batches[0]}", [], dense,
+            torch.randn(batches[0], 3, 32, 32, device=device), min(repeats, 5), args.smoke,
+            extra=((name, "tnspec", tensorized),))
     print("\n" + table(rows) + "\n\n" + goals(rows))
     if args.write and not (args.smoke or args.quick):
-        write(rows, f"{allocator}\n\n{calibrated}")
+        tag = "" if device.type == "cpu" and not autocast else \
+            f" {device.type} {args.autocast or 'fp32'}"
+        tag += f" only {args.only}" if args.only else ""
+        write(rows, f"{allocator}\n\n{calibrated}", tag, device)
     if failures:
         print(f"\ncross-check FAILED: {', '.join(failures)}")
         return 1
     return 0
 
 
-def write(rows: list[dict], setting: str) -> None:
-    """RESULTS.md's table and speed.png; ``setting``: the allocator and calibration lines."""
+def write(rows: list[dict], setting: str, tag: str = "",
+          device: torch.device = torch.device("cpu")) -> None:
+    """RESULTS.md's table (the block marked with ``tag``: none for the CPU's, which alone is
+    drawn in speed.png); ``setting``: the allocator and calibration lines."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -388,12 +469,13 @@ def write(rows: list[dict], setting: str) -> None:
     ax.set_ylabel("time / dense layer (fwd+bwd)")
     ax.set_title("tnspec layers against the dense layer of the same shape")
     fig.tight_layout()
-    fig.savefig(HERE / "speed.png", dpi=120)
+    if not tag:
+        fig.savefig(HERE / "speed.png", dpi=120)
     text = (HERE / "RESULTS.md").read_text() if (HERE / "RESULTS.md").exists() else ""
-    start = "<!-- speed table -->"
-    end = "<!-- end speed table -->"
-    block = (f"{start}\nMachine: {machine()}\n\n{setting}\n\n{table(rows)}\n\n{goals(rows)}"
-             f"\n{end}")
+    start = f"<!-- speed table{tag} -->"
+    end = f"<!-- end speed table{tag} -->"
+    block = (f"{start}\nMachine: {machine(device)}\n\n{setting}\n\n{table(rows)}\n\n"
+             f"{goals(rows)}\n{end}")
     if start in text:
         text = text[:text.index(start)] + block + text[text.index(end) + len(end):]
     else:

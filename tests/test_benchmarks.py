@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from .conftest import ROOT
 
@@ -21,15 +22,34 @@ def load(name: str):
     return module
 
 
-def test_speed_smoke_runs_and_cross_checks_against_the_libraries(capsys):
+DEVICES = ["cpu"] + [pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA"))]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_speed_smoke_runs_and_cross_checks_against_the_libraries(capsys, device):
     pytest.importorskip("tltorch", reason="tensorly-torch is in the test extra")
     pytest.importorskip("tednet", reason="tednet is in the test extra")
     speed = load("speed")
-    assert speed.main(["--smoke", "--system-malloc"]) == 0
+    assert speed.main(["--smoke", "--system-malloc", "--device", device]) == 0
     out = capsys.readouterr().out
     assert out.count("  ok") == 35 and "MISMATCH" not in out
     for library in ("tltorch factorized", "tltorch reconstructed", "tednet"):
         assert library in out
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_speed_smoke_under_autocast_leaves_out_only_libraries_that_fail(capsys, device):
+    pytest.importorskip("tltorch", reason="tensorly-torch is in the test extra")
+    pytest.importorskip("tednet", reason="tednet is in the test extra")
+    speed = load("speed")
+    assert speed.main(["--smoke", "--system-malloc", "--device", device,
+                       "--autocast", "bf16"]) == 0
+    out = capsys.readouterr().out
+    left_out = [line for line in out.splitlines() if "fails under autocast" in line]
+    assert all(" tednet: " in line for line in left_out)
+    assert left_out or device == "cuda"  # tednet's tensordot fails under the CPU's autocast
+    assert "| tnspec |" in out and "tltorch factorized" in out
 
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt is glibc's")
