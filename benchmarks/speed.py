@@ -20,7 +20,8 @@ On CUDA each run is timed from a synchronized start to a synchronized end (launc
 included, as a training step sees it), with PyTorch's default precision settings (cuDNN may
 use TF32 for float32 convolutions, matmuls do not); the cross-checks run in full float32.
 ``--autocast bf16`` times every module under ``torch.autocast``; the compiled case is left out
-on CUDA unless ``--compiled`` (compiling each module with Inductor and Triton takes minutes).
+on CUDA unless ``--compiled`` (Inductor compiles Triton kernels for every module), and
+``--compile-mode reduce-overhead`` compiles with CUDA graphs.
 """
 
 from __future__ import annotations
@@ -180,12 +181,14 @@ class Floor(nn.Module):
 
 def case(title: str, formats: list[Format], dense: nn.Module, x: torch.Tensor, repeats: int,
          smoke: bool, *, variants: bool = True, compiled: bool = False,
+         compile_mode: str = "default",
          extra: tuple[tuple[str, str, nn.Module], ...] = (),
          autocast: torch.dtype | None = None) -> tuple[list[dict], list[str]]:
     """Time ``dense``, the memory floor, each format's tnspec layer (and, when ``variants``,
     the cost model's, the dense-first and the left-to-right order alone), its libraries and
     the ``extra`` entries, interleaved, on ``x``'s device.
-    ``compiled``: every module through default ``torch.compile`` (memory is not measured);
+    ``compiled``: every module through ``torch.compile(mode=compile_mode)`` (memory is not
+    measured);
     ``autocast``: every forward under ``torch.autocast`` with that dtype."""
     print(f"\n{title}: input {tuple(x.shape)}")
     failures: list[str] = []
@@ -215,13 +218,14 @@ def case(title: str, formats: list[Format], dense: nn.Module, x: torch.Tensor, r
                         p.data = p.data.contiguous(memory_format=torch.channels_last)
     if compiled:
         torch._dynamo.reset()
-        entries = [(f, i, torch.compile(m)) for f, i, m in entries]
+        entries = [(f, i, torch.compile(m, mode=compile_mode)) for f, i, m in entries]
     x = x.detach().requires_grad_(True)
     runs = [fwd_bwd(m, x, autocast) for _, _, m in entries]
     for n, run in reversed(list(enumerate(runs))):  # warm-up: plans, allocator, mkldnn
-        try:  # primitives (compiles, twice)
+        try:  # primitives (compiled: three calls)
             run()
-            if compiled:
+            if compiled:  # compiles; CUDA graphs record on a later call
+                run()
                 run()
         except RuntimeError as e:  # tednet's tensordot under autocast
             fmt, impl, _ = entries[n]
@@ -354,6 +358,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="every forward under torch.autocast with this dtype")
     parser.add_argument("--compiled", action="store_true",
                         help="on CUDA, also the compiled case (always on the CPU)")
+    parser.add_argument("--compile-mode", default="default",
+                        help="torch.compile's mode for the compiled case, e.g. reduce-overhead")
     parser.add_argument("--only", metavar="TEXT",
                         help="only the cases whose title contains TEXT (--write then writes "
                         "a block of their own)")
@@ -404,8 +410,9 @@ def main(argv: list[str] | None = None) -> int:
         formats = conv_formats(c, c, r, 3, stride, modes)
         if compiled:  # the formats a library implements, without planner variants
             formats = [f for f in formats if f.name in ("cp", "tucker2", "tt", "tr")]
-        run(title, formats, dense, x, repeats, args.smoke, variants=not compiled,
-            compiled=compiled)
+        run(title + (f" {args.compile_mode}" if compiled and args.compile_mode != "default"
+                     else ""), formats, dense, x, repeats, args.smoke, variants=not compiled,
+            compiled=compiled, compile_mode=args.compile_mode)
     lin = linear_format(r if not args.smoke else 2)
     run(f"linear b={lin_batch}", [lin], nn.Linear(784, 500),
         torch.randn(lin_batch, 784, device=device), repeats, args.smoke)
@@ -445,6 +452,7 @@ def main(argv: list[str] | None = None) -> int:
         tag = "" if device.type == "cpu" and not autocast else \
             f" {device.type} {args.autocast or 'fp32'}"
         tag += f" only {args.only}" if args.only else ""
+        tag += f" {args.compile_mode}" if args.compile_mode != "default" else ""
         write(rows, f"{allocator}\n\n{calibrated}", tag, device)
     if failures:
         print(f"\ncross-check FAILED: {', '.join(failures)}")
