@@ -75,6 +75,7 @@ def fwd_bwd(module: nn.Module, x: torch.Tensor, autocast: torch.dtype | None = N
 
 def precision(device: torch.device, autocast: torch.dtype | None
               ) -> contextlib.AbstractContextManager:
+    """``torch.autocast`` to ``autocast`` on ``device``, or nothing when it is None."""
     return torch.autocast(device.type, autocast) if autocast else contextlib.nullcontext()
 
 
