@@ -24,7 +24,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from speed import fwd_bwd, interleaved, machine  # noqa: E402
+from harness import fwd_bwd, interleaved, machine  # noqa: E402
 
 import tnspec  # noqa: E402
 

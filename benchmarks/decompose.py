@@ -37,7 +37,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from speed import machine  # noqa: E402
+from harness import machine  # noqa: E402
 
 import tnspec  # noqa: E402
 

@@ -25,7 +25,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from anchors import conv_formats, missing  # noqa: E402
-from speed import fwd_bwd, machine, steady_malloc  # noqa: E402
+from harness import fwd_bwd, machine, steady_malloc  # noqa: E402
 
 import tnspec  # noqa: E402
 
@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-compile", action="store_true", help="eager tables only")
     parser.add_argument("--write", action="store_true")
     parser.add_argument("--system-malloc", action="store_true",
-                        help="leave glibc's malloc at its defaults (see speed.steady_malloc)")
+                        help="leave glibc's malloc at its defaults (see harness.steady_malloc)")
     args = parser.parse_args(argv)
     allocator = steady_malloc(not args.system_malloc)
     torch.set_num_threads(args.threads)

@@ -55,8 +55,8 @@ def test_speed_smoke_under_autocast_leaves_out_only_libraries_that_fail(capsys, 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt is glibc's")
 def test_steady_malloc_sets_glibc_to_keep_freed_memory():
     # in a child process: the setting is process-wide and would outlive this test
-    code = ("import sys; sys.path.insert(0, 'benchmarks'); import speed; "
-            "print(speed.steady_malloc()); print(speed.steady_malloc(False))")
+    code = ("import sys; sys.path.insert(0, 'benchmarks'); import harness; "
+            "print(harness.steady_malloc()); print(harness.steady_malloc(False))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
                          text=True, check=True).stdout.splitlines()
     assert out[0].startswith("Allocator: glibc malloc keeping freed memory")
