@@ -68,6 +68,22 @@ def test_zoo_channel_mixing_as_1x1_convs_in_both_layouts(fmt, dims, stride, pad,
     compare(module, x.contiguous(memory_format=torch.channels_last))
 
 
+@pytest.mark.parametrize("fmt, dims, stride, pad, dilation", TWO_D,
+                         ids=["-".join(map(str, c)) for c in TWO_D])
+def test_zoo_run_channels_last_inside_matches_the_dense_reference(fmt, dims, stride, pad,
+                                                                   dilation, monkeypatch):
+    """The autotuner's candidate that converts a contiguous input to channels-last, runs the
+    channels-last lowering and hands the result back contiguous."""
+    text, sizes, shape = spec(fmt, dims, stride, pad, dilation)
+    torch.manual_seed(0)
+    module = tnspec.layer(text, dtype=torch.float64, **sizes)
+    x = torch.randn(2, *shape)
+    cls = tnspec.runtime.layer_class(module.network, module.plan(x.shape), convert=True)
+    monkeypatch.setattr(module, "_class", lambda shape, channels_last=False: cls)
+    compare(module, x)
+    assert module(x).is_contiguous()
+
+
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
 def test_examples_match_dense_reference(path):
     text = path.read_text()
@@ -185,6 +201,33 @@ def test_autotune_keeps_the_models_order_unless_another_is_clearly_faster(
     assert module._last_class is timed[0][0 if keeps_model else 1]
 
 
+CONVERTS = "x = x.contiguous(memory_format=torch.channels_last)"
+
+
+def test_autotune_times_the_models_order_run_channels_last_inside_for_a_contiguous_image(
+        monkeypatch):
+    """For a 2-D conv's contiguous input the model's order run channels-last inside is a
+    candidate (kept where clearly faster); not for a channels-last input or a 1-D conv."""
+    timed = []
+
+    def fake(self, classes, shape, repeats, channels_last=False):
+        timed.append([CONVERTS in tnspec.runtime.source_of(c.forward) for c in classes])
+        return [1.0] * (len(classes) - 1) + [0.5]  # the last candidate clearly fastest
+    monkeypatch.setattr(tnspec.Layer, "_time", fake)
+    text, sizes, shape = spec("tucker2", 2, 1, "same", 1)
+    module = tnspec.layer(text, autotune=True, **sizes)
+    x = torch.randn(2, *shape)
+    compare(module, x)
+    assert timed[0][-1] and not any(timed[0][:-1])
+    source = tnspec.runtime.source_of(module._last_class.forward)
+    assert CONVERTS in source and "y = y.contiguous()  # back to the caller's layout" in source
+    timed.clear()
+    compare(module, x.contiguous(memory_format=torch.channels_last))
+    text, sizes, shape = spec("tucker2", 1, 1, "same", 1)
+    compare(tnspec.layer(text, autotune=True, **sizes), torch.randn(2, *shape))
+    assert timed and not any(any(t) for t in timed)
+
+
 @pytest.mark.parametrize("prune", [None, float("inf")])
 def test_autotune_does_not_time_an_order_the_model_prices_far_above_the_cheapest(
         monkeypatch, prune):
@@ -200,7 +243,8 @@ def test_autotune_does_not_time_an_order_the_model_prices_far_above_the_cheapest
         return [1.0] * len(classes)
     monkeypatch.setattr(tnspec.Layer, "_time", fake)
     module(torch.randn(4, 32, 16, 16))
-    assert timed == [3 if prune else 2]  # auto (= dense-first), greedy[, left-to-right]
+    # auto (= dense-first), greedy[, left-to-right], auto run channels-last inside
+    assert timed == [4 if prune else 3]
 
 
 def test_a_new_batch_size_in_the_same_class_is_not_planned_again_and_the_cache_is_bounded(

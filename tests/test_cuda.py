@@ -34,8 +34,9 @@ def calibrated(tmp_path, monkeypatch):
 @pytest.mark.parametrize("mixing", ["conv1x1", "einsum"])
 @pytest.mark.parametrize("fmt, stride", TWO_D, ids=[f"{f}-s{s}" for f, s in TWO_D])
 def test_zoo_on_cuda_matches_the_dense_reference(fmt, stride, mixing, monkeypatch):
-    """float64 on the GPU, forward and backward, in both layouts, each way of mixing
-    channels (cuDNN's float64 kernels are exact to rounding, as on the CPU)."""
+    """float64 on the GPU, forward and backward, in both layouts and run channels-last
+    inside, each way of mixing channels (cuDNN's float64 kernels are exact to rounding, as on
+    the CPU)."""
     monkeypatch.setattr(calibration, "chooser", lambda *a, **k: lambda step: mixing)
     text, sizes, shape = spec(fmt, 2, stride, "same", 1)
     torch.manual_seed(0)
@@ -46,6 +47,10 @@ def test_zoo_on_cuda_matches_the_dense_reference(fmt, stride, mixing, monkeypatc
     x = torch.randn(2, *shape, dtype=torch.float64, device="cuda")
     compare(module, x)
     compare(module, x.contiguous(memory_format=torch.channels_last))
+    # the autotuner's candidate that runs a contiguous input channels-last inside
+    cls = tnspec.runtime.layer_class(module.network, module.plan(x.shape), convert=True)
+    monkeypatch.setattr(module, "_class", lambda shape, channels_last=False: cls)
+    compare(module, x)
 
 
 def test_generated_code_on_cuda_equals_the_inline_layer(tmp_path):

@@ -28,7 +28,7 @@ from .lines import (INDENT, WIDTH, comment, if_block, raise_block, spec_lines, w
                     wrap_call, wrap_line)
 from .lower import from_cores
 from .program import (Bias, Call, CheckShape, CompileCopy, Let, Namer, Node, Param, Program,
-                      Require, Unpack, Var)
+                      Relayout, Require, Unpack, Var)
 from .shapes import Size, geometry, nn_attributes
 
 _MODULE_NAMES = frozenset({"F", "nn", "torch"})  # the generated module's imports
@@ -308,6 +308,12 @@ def statement(node: Node, indent: str) -> list[str]:
         return comment(node.comment, indent) + [f"{indent}if torch.compiler.is_compiling():"] + \
             wrap_line(f"{indent}{INDENT}{v} = {v}.contiguous(memory_format=torch.channels_last "
                       f"if {v}.is_contiguous() else torch.contiguous_format)")
+    if isinstance(node, Relayout):
+        layout = "memory_format=torch.channels_last" if node.channels_last else ""
+        line = f"{indent}{node.var} = {node.var}.contiguous({layout})"
+        tail = f"  # {node.comment}" if node.comment else ""
+        return [line + tail] if len(line + tail) <= WIDTH else \
+            comment(node.comment, indent) + [line]
     raise TypeError(f"codegen cannot print {type(node).__name__}")  # pragma: no cover
 
 

@@ -20,21 +20,25 @@ from typing import Any, Sequence
 from .ir import Network, Role
 from .plan import Plan, Step
 from .program import (Arg, Bias, Builder, Call, CheckShape, CompileCopy, Let, Param, Program,
-                      Require, Unpack, Var, prune, rename)
+                      Relayout, Require, Unpack, Var, prune, rename)
 from .shapes import Size, axis_text, conv_out, geometry
 
 
-def lower(plan: Plan, channels_last: bool = False) -> Program:
+def lower(plan: Plan, channels_last: bool = False, convert: bool = False) -> Program:
     """The nodes that execute ``plan``'s order for any shape, laid out for a contiguous input
-    or, with ``channels_last``, a channels-last one (any layout computes the same)."""
-    return _Lowering(plan, channels_last).program()
+    or, with ``channels_last``, a channels-last one (any layout computes the same).
+    ``convert``: the program converts its input to channels-last, runs laid out for that and
+    hands its result back contiguous (1x1 convolutions over a channels-last tensor can take
+    half the time; whether that pays for the two copies is for the autotuner to measure)."""
+    return _Lowering(plan, channels_last or convert, convert).program()
 
 
 class _Lowering(Builder):
-    def __init__(self, plan: Plan, channels_last: bool = False) -> None:
+    def __init__(self, plan: Plan, channels_last: bool = False, convert: bool = False) -> None:
         super().__init__(plan.network)
         self.plan = plan
         self.channels_last = channels_last
+        self.convert = convert
         self.var: dict[str, Var | Param] = {}  # plan operand -> what holds it now
 
     # ---- the program ------------------------------------------------------------------------
@@ -60,6 +64,8 @@ class _Lowering(Builder):
         for step in self.plan.steps:
             self.step(step)
         result = self.epilogue(out_name)
+        if self.convert:
+            self.nodes.append(Relayout(result, False, "back to the caller's layout"))
         return replace(self.finish(data.name, result), unbatched=flag)
 
     def prologue(self, data: Var) -> None:
@@ -95,6 +101,8 @@ class _Lowering(Builder):
                     self.nodes.append(Require(target, None, (
                         f"{t.name}: axis {c.text} of size ", self.size(c.source),
                         " is too small: it gives an output size of ", target)))
+        if self.convert:
+            self.nodes.append(Relayout(data.name, True, "run channels-last: timed faster"))
         self.layout[data] = tuple(axis_text(a) for a in t.axes)
         self.dims[data] = tuple(self.product(a) for a in t.axes)
         holder: Var | Param = data

@@ -66,6 +66,7 @@ class Layer(nn.Module):
             self.register_parameter("bias", None)
         geo = geometry(network)
         self._unbatched_dims = len(network.input.axes) - 1 if geo else -1
+        self._image = geo is not None and len(geo.convs) == 2  # NCHW: channels-last exists
         axes = network.input.axes
         self._batch_first = bool(axes) and all(network.index(i).role is Role.BATCH
                                                for i in axes[0])
@@ -220,7 +221,9 @@ class Layer(nn.Module):
         """The fastest distinct candidate order for ``shape``, timed forward and backward on
         the cores' device, or recalled from the calibration cache where a process timed the
         same candidates' code before (where another build of tnspec lowers them differently,
-        they are timed again). The model's order stays unless another is measured at least
+        they are timed again). For a 2-D conv's input that is not channels-last, the model's
+        order run channels-last inside is a candidate too (``lower(..., convert=True)``). The
+        model's order stays unless another is measured at least
         10% faster (``calibration.MARGIN``), in the first rounds and again in as many more
         against the model's order alone; an order the cost model prices at more than
         ``calibration.PRUNE`` times the cheapest is not timed. Timing uses its own random
@@ -244,6 +247,10 @@ class Layer(nn.Module):
             if key not in candidates:
                 candidates[key] = runtime.layer_class(self.network, candidate,
                                                       channels_last)
+        if self._image and not channels_last:
+            # the model's order run channels-last inside, the input and result converted
+            key = "channels-last inside, " + next(iter(candidates))
+            candidates[key] = runtime.layer_class(self.network, plans[0], convert=True)
         if len(candidates) == 1:
             return next(iter(candidates.values()))
         sizes = ", ".join(f"{k}={v}" for k, v in sorted(self.sizes.items()))

@@ -108,7 +108,17 @@ class CompileCopy:
     comment: str = ""
 
 
-Node = Union[Call, CheckShape, Unpack, Let, Require, Bias, CompileCopy]
+@dataclass(frozen=True)
+class Relayout:
+    """``var = var.contiguous(...)``: channels-last (``channels_last``) or contiguous; the
+    data converted to the layout the program runs in, or the result back to the caller's."""
+
+    var: str
+    channels_last: bool
+    comment: str = ""
+
+
+Node = Union[Call, CheckShape, Unpack, Let, Require, Bias, CompileCopy, Relayout]
 
 
 @dataclass(frozen=True)
@@ -270,7 +280,7 @@ def reads(node: Node) -> set[str]:
     elif isinstance(node, Bias):
         found.add(node.var)
         visit(node.shape)
-    elif isinstance(node, CompileCopy):
+    elif isinstance(node, (CompileCopy, Relayout)):
         found.add(node.var)
     return found
 
@@ -300,5 +310,5 @@ def rename(nodes: list[Node], old: str, new: str) -> list[Node]:
         return arg
     return [replace(n, out=new if n.out == old else n.out, args=swap(n.args),
                     kwargs=swap(n.kwargs)) if isinstance(n, Call) else
-            replace(n, var=new) if isinstance(n, CompileCopy) and n.var == old else n
+            replace(n, var=new) if isinstance(n, (CompileCopy, Relayout)) and n.var == old else n
             for n in nodes]

@@ -42,11 +42,14 @@ def load_class(source: str, name: str) -> type:
     return cls
 
 
-def layer_class(network: Network, plan: Plan | None, channels_last: bool = False) -> type:
+def layer_class(network: Network, plan: Plan | None, channels_last: bool = False,
+                convert: bool = False) -> type:
     """The generated class of one layer, with the ``forward`` of ``plan`` (laid out for a
-    channels-last input if asked) when one is given."""
+    channels-last input if asked, or converting to channels-last inside: see ``lower``) when
+    one is given."""
     layer = codegen.LayerCode(network, None) if plan is None else \
-        codegen.LayerCode(network, lower(plan, channels_last), codegen.summary_line(plan))
+        codegen.LayerCode(network, lower(plan, channels_last, convert),
+                          codegen.summary_line(plan))
     source = codegen.generate([layer])
     return load_class(source, codegen.class_name(network))
 
