@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tnspec import calibration
+
 # Plans must not depend on the machine the suite runs on: calibration is off (the built-in
 # constants) unless a test turns it on, and no test writes to the user's cache directory.
 os.environ["TNSPEC_CALIBRATE"] = "0"
@@ -38,3 +40,13 @@ def float64():
     torch.set_default_dtype(torch.float64)
     yield
     torch.set_default_dtype(old)
+
+
+@pytest.fixture
+def calibrated(tmp_path, monkeypatch):
+    """Calibration on, with an empty cache of its own; the process's memory forgotten."""
+    monkeypatch.setenv(calibration.ENV_SWITCH, "1")
+    monkeypatch.setenv(calibration.ENV_DIR, str(tmp_path))
+    calibration.forget()
+    yield tmp_path / calibration.FILE_NAME
+    calibration.forget()

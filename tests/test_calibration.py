@@ -23,16 +23,6 @@ TUCKER2 = "x[b, c, h+kh-1, w+kw-1], U[c, r0], G[r0, r1, kh, kw], V[r1, o] -> y[b
 SIZES = dict(c=6, o=5, r0=3, r1=2, kh=3, kw=3)
 
 
-@pytest.fixture
-def calibrated(tmp_path, monkeypatch):
-    """Calibration on, with an empty cache of its own; the process's memory forgotten."""
-    monkeypatch.setenv(calibration.ENV_SWITCH, "1")
-    monkeypatch.setenv(calibration.ENV_DIR, str(tmp_path))
-    calibration.forget()
-    yield tmp_path / calibration.FILE_NAME
-    calibration.forget()
-
-
 def test_the_cache_round_trips_and_a_warm_cache_times_nothing(calibrated, monkeypatch):
     first = tnspec.calibrate()
     assert calibrated.exists() and first.samples == len(measure.CONVS) + len(

@@ -21,16 +21,6 @@ TUCKER2 = "x[b, c, h+kh-1, w+kw-1], U[c, r0], G[r0, r1, kh, kw], V[r1, o] -> y[b
 SIZES = dict(c=16, o=12, r0=4, r1=5, kh=3, kw=3)
 
 
-@pytest.fixture
-def calibrated(tmp_path, monkeypatch):
-    """Calibration on, with an empty cache of its own."""
-    monkeypatch.setenv(calibration.ENV_SWITCH, "1")
-    monkeypatch.setenv(calibration.ENV_DIR, str(tmp_path))
-    calibration.forget()
-    yield tmp_path / calibration.FILE_NAME
-    calibration.forget()
-
-
 @pytest.mark.parametrize("mixing", ["conv1x1", "einsum"])
 @pytest.mark.parametrize("fmt, stride", TWO_D, ids=[f"{f}-s{s}" for f, s in TWO_D])
 def test_zoo_on_cuda_matches_the_dense_reference(fmt, stride, mixing, monkeypatch):
