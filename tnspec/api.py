@@ -12,7 +12,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from . import calibration, codegen, runtime
+from . import calibration, codegen, runtime, safe
 from .check import check, select_layer
 from .codegen import LayerCode, summary_line
 from .errors import SpecError
@@ -193,6 +193,7 @@ def contract(spec: str | Network, x: torch.Tensor, /, cores: Mapping[str, torch.
     cores = dict(cores or {})
     bias = cores.pop("bias", None)
     if isinstance(spec, Network):
+        safe.network(spec)  # public dataclasses: a Network may be built by hand
         net = spec
     else:
         given = _merge(sizes, more_sizes)

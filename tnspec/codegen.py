@@ -7,8 +7,9 @@ takes the layer's size parameters (with their defaults) and computes its derived
 ``forward`` prints the lowered Program one node per statement, each commented with what it
 computes. Every name from the spec goes through a ``Namer``: keywords, builtins and clashes get
 a suffix, and parameters whose names are not identifiers are reached with ``getattr``. Nothing
-from the spec is ever executed: names are ``[A-Za-z_][A-Za-z0-9_]*`` by the grammar, and text
-is written as ``repr`` literals. Long lines are broken only inside brackets.
+from the spec is ever executed: ``safe`` checks every name and text where it is printed
+(names are ``[A-Za-z_][A-Za-z0-9_]*``, as the grammar has them, whatever stage built the
+Network), and text is written as ``repr`` literals. Long lines are broken only inside brackets.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import textwrap
 from pathlib import PurePath
 from typing import Any, NamedTuple, Sequence
 
+from . import safe
 from ._version import __version__
 from .init import CoreInit, activation_scale, core_inits
 from .errors import SpecError
@@ -85,6 +87,10 @@ def _attr(name: str) -> str:
 class _Class:
     def __init__(self, lay: LayerCode) -> None:
         self.p, self.net, self.summary = lay.program, lay.network, lay.summary
+        safe.network(self.net)  # the network may be built by hand: nothing unchecked is printed
+        if self.p is not None:
+            safe.program(self.p)
+        safe.literal(self.summary)
         # constructor locals: parameters, then derived sizes; forward's names live in Program
         self.ctor = Namer()
         self.ctor.used |= {"bias", "dtype", "device"}

@@ -19,7 +19,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-from . import calibration, decompose, runtime
+from . import calibration, decompose, runtime, safe
 from .errors import SpecError
 from .ir import DEFAULT_MAX_BYTES, Network, Role
 from .lower import Program, bias_shape, lower
@@ -46,6 +46,7 @@ class Layer(nn.Module):
                  device: torch.device | str | None = None, planner: str = "auto",
                  autotune: bool | None = None, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
         super().__init__()
+        safe.network(network)  # public dataclasses: a Network may be built by hand
         self.autotune = autotune
         self.network = network
         self.spec = network.spec
