@@ -274,3 +274,55 @@ def test_every_other_start_gives_a_many_bond_factor_its_subspace():
     stds = {c.name: 1.0 for c in net.cores}
     for seed in range(2):
         assert decompose._start(net, w, _problems(net), stds, seed)[1] == {"U", "V"}
+
+
+def test_an_unreachable_error_goal_keeps_the_layer_dense_and_says_so():
+    torch.manual_seed(0)
+    conv = nn.Conv2d(16, 16, 3, padding=1)  # a random kernel: no low-rank structure
+    model, report = tnspec.tensorize(nn.Sequential(conv), "tucker2", weights="fit", error=0.01)
+    assert model[0] is conv and not report.replaced
+    assert report.params_after == report.params_before
+    ((name, why),) = report.skipped
+    assert name == "0" and "kept dense: the goal error=0.01 is not reached" in why
+    assert "kept dense" in str(report)
+
+
+def test_fit_options_pass_through_tensorize(monkeypatch):
+    seen = []
+    real = decompose.fit
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs)
+        return real(*args, **kwargs)
+    monkeypatch.setattr(decompose, "fit", spy)
+    options = {"hops": 0, "starts": 1, "max_seconds": 30, "max_iter": 50, "tol": 1e-6}
+    _, report = tnspec.tensorize(_cnn(), "tr", rank=0.5, weights="fit", fit=options,
+                                 exclude="0")
+    assert len(report.replaced) == 2 and len(seen) == 2
+    assert all(kw == options for kw in seen)
+
+
+def test_tensorize_refuses_unknown_keywords_naming_itself():
+    with pytest.raises(TypeError, match=r"tensorize\(\) got an unexpected keyword argument "
+                                        r"'hops'; fit options go in fit="):
+        tnspec.tensorize(_cnn(), "tr", weights="fit", hops=0)
+    with pytest.raises(TypeError, match=r"unexpected keyword argument 'rnak'; a format's "
+                                        r"options are in_modes"):
+        tnspec.tensorize(_cnn(), "tr", rnak=4)
+    with pytest.raises(TypeError, match=r"tensorize\(fit=...\) got an unexpected fit option "
+                                        r"'hop'; the options are max_iter"):
+        tnspec.tensorize(_cnn(), "tr", weights="fit", fit={"hop": 0})
+    with pytest.raises(tnspec.SpecError, match="fit= needs weights='fit'"):
+        tnspec.tensorize(_cnn(), "tr", fit={"hops": 0})
+    with pytest.raises(tnspec.SpecError, match="max_seconds=0 must be a positive number"):
+        tnspec.tensorize(_cnn(), "tr", weights="fit", fit={"max_seconds": 0})
+
+
+def test_fit_stops_at_max_seconds_keeps_the_best_so_far_and_logs_it(caplog):
+    fmt = formats.build("odd", 16, 16, 3, padding=1, rank=0.3)
+    weight = _instance(fmt, seed=1)
+    layer = fmt.layer()
+    with caplog.at_level("INFO", logger="tnspec"):
+        error = layer.fit_(weight, max_seconds=1e-3)
+    assert error == pytest.approx(_true_error(layer, weight), rel=1e-6) and error < 1
+    assert any("stopped by max_seconds=0.001" in r.getMessage() for r in caplog.records)

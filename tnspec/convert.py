@@ -9,12 +9,13 @@ from __future__ import annotations
 import fnmatch
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from torch import nn
 
-from . import formats
+from . import decompose, formats
+from .activations import following_activations
 from .api import _with_options, compile
 from .errors import SpecError
 from .module import Layer
@@ -22,15 +23,7 @@ from .shapes import geometry
 
 Selector = str | Sequence[str] | Callable[[str, nn.Module], bool] | None
 _CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
-_PASS_THROUGH = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.Identity,
-                 nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
-_MODULE_ACTIVATIONS = {nn.ReLU: "relu", nn.ReLU6: "relu", nn.Tanh: "tanh", nn.GELU: "gelu",
-                       nn.SiLU: "silu", nn.Sigmoid: "sigmoid"}
-_FUNCTION_ACTIVATIONS = {torch.relu: "relu", torch.nn.functional.relu: "relu",
-                         torch.tanh: "tanh", torch.nn.functional.tanh: "tanh",
-                         torch.nn.functional.gelu: "gelu", torch.nn.functional.silu: "silu",
-                         torch.sigmoid: "sigmoid", torch.nn.functional.sigmoid: "sigmoid",
-                         "relu": "relu", "relu_": "relu", "tanh": "tanh", "sigmoid": "sigmoid"}
+
 
 
 class TensorizedLinear(Layer):
@@ -82,9 +75,6 @@ class Report:
             lines.append(f"  {r.name}: {r.before}")
             how = (f"init for {r.activation} ({r.activation_from})" if r.fit_error is None
                    else f"fitted to its weights, relative error {r.fit_error:.4f}")
-            if r.error_goal is not None and r.fit_error is not None and \
-                    r.fit_error > r.error_goal:
-                how += f" (the goal {r.error_goal:g} is not reached even at the full share)"
             lines.append(f"      {r.params_before:,} -> {r.params_after:,} params, {how}")
         groups: dict[tuple[str, str], list[str]] = {}
         for (name, why), kind in zip(self.skipped,
@@ -102,7 +92,8 @@ class Report:
 def tensorize(model: nn.Module, format: str = "tucker2", *, rank: int | float = 0.5,
               include: Selector = None, exclude: Selector = None, init: str = "graph-in",
               activation: str | float | None = None, weights: str = "init",
-              error: float | None = None, **options: Any) -> tuple[nn.Module, Report]:
+              error: float | None = None, fit: Mapping[str, Any] | None = None,
+              **options: Any) -> tuple[nn.Module, Report]:
     """Replace, in place, every ``nn.Conv1d/2d/3d`` and ``nn.Linear`` of ``model`` selected by
     ``include``/``exclude`` (glob patterns on qualified names such as ``"features.*"``, or a
     function of ``(name, module)``) by a tnspec layer of ``format`` (a name of
@@ -115,10 +106,13 @@ def tensorize(model: nn.Module, format: str = "tucker2", *, rank: int | float = 
     listed in the report. Returns ``(model, report)``.
 
     ``weights="fit"`` fits each new layer to the weight of the layer it replaces
-    (:meth:`Layer.fit_`) and copies the bias; the report gives each fit's relative error. With
+    (:meth:`Layer.fit_`) and copies the bias; the report gives each fit's relative error.
+    ``fit`` passes options to each fit: ``max_iter``, ``tol``, ``starts``, ``hops`` and
+    ``max_seconds`` (per fit; 60 by default), e.g. ``fit={"hops": 0, "max_seconds": 30}``. With
     ``error=`` (0.1: 10%) the rank is chosen per layer instead of ``rank``: the smallest share of
-    the dense layer's parameters, found by bisection, whose fit reaches that error (or the
-    whole share, 1.0, if none does; the report shows the error reached).
+    the dense layer's parameters, found by bisection, whose fit reaches that error. A layer
+    whose goal is reached only with as many parameters as the dense one, or not at all, stays
+    dense, and the report says so.
 
     >>> net = nn.Sequential(nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.Flatten(),
     ...                     nn.Linear(32 * 8 * 8, 10))
@@ -136,8 +130,15 @@ def tensorize(model: nn.Module, format: str = "tucker2", *, rank: int | float = 
                         "to the trained weights)")
     if error is not None and (weights != "fit" or not 0 < error < 1):
         raise SpecError(f"error={error!r} needs weights='fit' and a relative error in (0, 1)")
+    fit_options = _fit_options(fit, weights)
+    unknown = sorted(set(options) - set(_FORMAT_OPTIONS))
+    if unknown:
+        where = "fit options go in fit={...}" if unknown[0] in _FIT_OPTIONS else \
+            "a format's options are " + ", ".join(_FORMAT_OPTIONS)
+        raise TypeError(f"tensorize() got an unexpected keyword argument {unknown[0]!r}; "
+                        f"{where}")
     before = sum(p.numel() for p in model.parameters())
-    following = _following_activations(model)
+    following = following_activations(model)
     tied = _tied(model)
     replaced, skipped, kinds = [], [], []
     other: dict[str, int] = {}
@@ -156,11 +157,12 @@ def tensorize(model: nn.Module, format: str = "tucker2", *, rank: int | float = 
                 raise SpecError(tied[name])
             fit_error = None
             if error is not None:
-                new, fit_error = _smallest(module, format, init, act, options, error)
+                new, fit_error = _smallest(module, format, init, act, options, error,
+                                           fit_options)
             else:
                 new = _replacement(module, format, rank, init, act, options)
                 if weights == "fit":
-                    fit_error = _fitted(new, module)
+                    fit_error = _fitted(new, module, fit_options)
         except SpecError as exc:
             skipped.append((name, exc.message))
             kinds.append(type(module).__name__)
@@ -227,9 +229,31 @@ def _replacement(module: nn.Module, format: str, rank: int | float, init: str,
     return cls(net, dtype=weight.dtype, device=weight.device)
 
 
-def _fitted(new: Layer, module: nn.Module) -> float:
+_FORMAT_OPTIONS = ("in_modes", "out_modes", "phi", "blocks")  # formats.build's, by keyword
+_FIT_OPTIONS = ("max_iter", "tol", "starts", "hops", "max_seconds")  # Layer.fit_'s
+
+
+def _fit_options(fit: Any, weights: str) -> dict[str, Any]:
+    """``fit=`` checked: a mapping of :meth:`Layer.fit_`'s options, with ``weights="fit"``."""
+    if fit is None:
+        return {}
+    if weights != "fit":
+        raise SpecError("fit= needs weights='fit'", hint="fit= sets how each layer is fitted "
+                        "to its trained weights")
+    if not isinstance(fit, Mapping):
+        raise TypeError(f"tensorize(fit=...) takes a dict of fit options, not "
+                        f"{type(fit).__name__}")
+    unknown = sorted(set(fit) - set(_FIT_OPTIONS))
+    if unknown:
+        raise TypeError(f"tensorize(fit=...) got an unexpected fit option {unknown[0]!r}; "
+                        f"the options are {', '.join(_FIT_OPTIONS)}")
+    decompose.check_options(**fit)
+    return dict(fit)
+
+
+def _fitted(new: Layer, module: nn.Module, fit: Mapping[str, Any]) -> float:
     """Fit ``new`` to the dense ``module``'s weight, copy its bias; the relative error."""
-    err = new.fit_(module.weight.detach())
+    err = new.fit_(module.weight.detach(), **fit)
     if module.bias is not None:
         with torch.no_grad():
             new.bias.copy_(module.bias.reshape(new.bias.shape))
@@ -237,23 +261,34 @@ def _fitted(new: Layer, module: nn.Module) -> float:
 
 
 def _smallest(module: nn.Module, format: str, init: str, activation: str | float,
-              options: dict[str, Any], error: float, steps: int = 6) -> tuple[Layer, float]:
-    """The fitted layer of the smallest rank share (bisection on (0, 1]) reaching ``error``."""
+              options: dict[str, Any], error: float, fit: Mapping[str, Any],
+              steps: int = 6) -> tuple[Layer, float]:
+    """The fitted layer of the smallest rank share (bisection on (0, 1]) reaching ``error``;
+    SpecError (the layer stays dense) where none does with fewer parameters than the dense
+    layer."""
     best = _replacement(module, format, 1.0, init, activation, options)
-    best_error = _fitted(best, module)
+    best_error = _fitted(best, module, fit)
+    if best_error > error:
+        raise SpecError(f"kept dense: the goal error={error:g} is not reached even at the full "
+                        f"share (relative error {best_error:.4f} there)")
     low, high = 0.0, 1.0
-    for _ in range(steps if best_error <= error else 0):
+    for _ in range(steps):
         share = (low + high) / 2
         try:
             new = _replacement(module, format, share, init, activation, options)
         except SpecError:  # no rank fits that share
             low = share
             continue
-        new_error = _fitted(new, module)
+        new_error = _fitted(new, module, fit)
         if new_error <= error:
             best, best_error, high = new, new_error, share
         else:
             low = share
+    dense = sum(p.numel() for p in module.parameters())
+    if sum(p.numel() for p in best.parameters()) >= dense:
+        raise SpecError(f"kept dense: the goal error={error:g} needs "
+                        f"{sum(p.numel() for p in best.parameters()):,} parameters, not fewer "
+                        f"than the dense layer's {dense:,}")
     return best, best_error
 
 
@@ -316,62 +351,3 @@ def _selected(name: str, module: nn.Module, include: Selector, exclude: Selector
 def _set_submodule(model: nn.Module, name: str, new: nn.Module) -> None:
     parent, _, child = name.rpartition(".")
     setattr(model.get_submodule(parent) if parent else model, child, new)
-
-
-def _following_activations(model: nn.Module) -> dict[str, tuple[str, str]]:
-    """``{layer name: (activation, how it was found)}`` for the layers followed by one."""
-    found: dict[str, tuple[str, str]] = {}
-    for seq_name, seq in model.named_modules():  # nn.Sequential order first...
-        if isinstance(seq, nn.Sequential):
-            children = list(seq.named_children())
-            for i, (child, module) in enumerate(children):
-                nxt = [m for _, m in children[i + 1:]]
-                while nxt and isinstance(nxt[0], _PASS_THROUGH):
-                    nxt.pop(0)
-                act = _module_activation(nxt[0]) if nxt else None
-                if act:
-                    found[f"{seq_name}.{child}" if seq_name else child] = \
-                        (act, "read from the model")
-    try:  # ...then what forward() does, where torch.fx can trace it
-        graph = torch.fx.symbolic_trace(model).graph
-    except Exception:  # noqa: BLE001 - untraceable models keep the Sequential reading
-        return found
-    modules = dict(model.named_modules())
-    for node in graph.nodes:
-        if node.op != "call_module" or not isinstance(modules.get(node.target),
-                                                      (nn.Linear, *_CONVS)):
-            continue
-        user = node
-        for _ in range(4):
-            if len(user.users) != 1:
-                break
-            user = next(iter(user.users))
-            act = _node_activation(user, modules)
-            if act:
-                found[node.target] = (act, "read from the model")
-                break
-            if not (user.op == "call_module" and isinstance(modules.get(user.target),
-                                                            _PASS_THROUGH)):
-                break
-    return found
-
-
-def _module_activation(module: nn.Module) -> str | None:
-    if isinstance(module, nn.LeakyReLU):
-        return f"leaky_relu({module.negative_slope})"
-    return next((a for t, a in _MODULE_ACTIVATIONS.items() if isinstance(module, t)), None)
-
-
-def _node_activation(node: torch.fx.Node, modules: dict[str, nn.Module]) -> str | None:
-    if node.op == "call_module":
-        return _module_activation(modules[node.target])
-    if node.op in ("call_function", "call_method"):
-        if node.target is torch.nn.functional.leaky_relu:
-            slope = node.kwargs.get("negative_slope", node.args[1] if len(node.args) > 1
-                                    else 0.01)
-            return f"leaky_relu({slope})" if isinstance(slope, (int, float)) else None
-        try:
-            return _FUNCTION_ACTIVATIONS.get(node.target)
-        except TypeError:  # an unhashable target
-            return None
-    return None

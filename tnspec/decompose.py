@@ -27,7 +27,9 @@ which is what training expects.
 
 from __future__ import annotations
 
+import logging
 import math
+import time
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
@@ -38,6 +40,8 @@ from torch import Tensor
 from .errors import SpecError
 from .init import core_inits
 from .ir import Network
+
+logger = logging.getLogger("tnspec")
 from .shapes import geometry
 
 #: the Gram matrix of one core's problem is formed when it has at most GRAM_ELEMENTS elements
@@ -104,7 +108,8 @@ def relative_error(approx: Tensor, weight: Tensor) -> float:
 
 
 def fit(net: Network, weight: Tensor, *, max_iter: int = 200, tol: float = 1e-7,
-        starts: int = 4, hops: int = 64) -> dict[str, Tensor]:
+        starts: int = 4, hops: int = 64, max_seconds: float | None = None
+        ) -> dict[str, Tensor]:
     """Cores (float64 on the weight's device, by name, as the layer stores them) whose dense
     weight approximates ``weight`` (the ``nn.ConvNd``/``nn.Linear`` layout of :func:`layout`).
 
@@ -113,7 +118,9 @@ def fit(net: Network, weight: Tensor, *, max_iter: int = 200, tol: float = 1e-7,
     random, ``starts`` random starts are fitted and the best kept (ALS finds local minima;
     hyperedge formats such as block-term reach the global one from about half the starts);
     where they end more than 1% apart (or there was one), up to ``hops`` basin hops
-    (:func:`_hop`) try to leave the best one's minimum."""
+    (:func:`_hop`) try to leave the best one's minimum. ``max_seconds`` (None: no limit) bounds
+    the whole fit: sweeps, starts and hops stop once it is spent, and the best fit so far is
+    returned (the first start always runs at least one sweep)."""
     lay = layout(net)
     if tuple(weight.shape) != lay.shape:
         raise SpecError(f"the weight has shape {tuple(weight.shape)}, the layer's dense weight "
@@ -121,10 +128,10 @@ def fit(net: Network, weight: Tensor, *, max_iter: int = 200, tol: float = 1e-7,
                         "stands for (layer.dense_weight().shape)")
     if not torch.isfinite(weight).all():
         raise SpecError("the weight to fit has NaN or infinite entries")
-    if not (isinstance(max_iter, int) and max_iter >= 1 and isinstance(starts, int) and
-            starts >= 1 and isinstance(hops, int) and hops >= 0 and tol >= 0):
-        raise SpecError(f"max_iter={max_iter!r}, starts={starts!r}, hops={hops!r} and "
-                        f"tol={tol!r} must be ints >= 1, an int >= 0 and a number >= 0")
+    check_options(max_iter=max_iter, tol=tol, starts=starts, hops=hops,
+                  max_seconds=max_seconds)
+    began = time.monotonic()
+    deadline = math.inf if max_seconds is None else began + max_seconds
     w = weight.detach().to(torch.float64).reshape(lay.modes)
     labels = {c.name: c.indices for c in net.cores}
     sizes = net.sizes
@@ -137,9 +144,11 @@ def fit(net: Network, weight: Tensor, *, max_iter: int = 200, tol: float = 1e-7,
     best: tuple[float, dict[str, Tensor]] = (math.inf, {})
     ends = []
     for seed in range(starts):
+        if seed and time.monotonic() > deadline:
+            break
         cores, seeded = _start(net, w, problems, stds, seed)
         order = [n for n in labels if n not in seeded] + [n for n in labels if n in seeded]
-        run = _als(stds, problems, order, whole, w, cores, max_iter, tol)
+        run = _als(stds, problems, order, whole, w, cores, max_iter, tol, deadline)
         ends.append(run[0])
         best = min(best, run, key=lambda r: r[0])
         if seed == 0 and len(labels) - len(seeded) <= 1:
@@ -148,15 +157,38 @@ def fit(net: Network, weight: Tensor, *, max_iter: int = 200, tol: float = 1e-7,
         # starts that all end within 1% of each other found one minimum (a chain, a ring):
         # hops would only spend time; where they disagree, or there was one start, hop
         if hops and (len(ends) == 1 or max(ends) > 1.01 * min(ends)):
-            best = _hop(stds, problems, whole, w, best, hops, max_iter, tol)
+            best = _hop(stds, problems, whole, w, best, hops, max_iter, tol, deadline)
+    spent = time.monotonic() - began
+    if time.monotonic() > deadline:
+        logger.info("fit of %s stopped by max_seconds=%g after %.1f s at relative error %.4g",
+                    net.spec, max_seconds, spent, best[0])
+    else:
+        logger.log(logging.INFO if spent > 1 else logging.DEBUG,
+                   "fit of %s: %d start(s), relative error %.4g in %.1f s", net.spec,
+                   len(ends), best[0], spent)
     cores = best[1]
     return {n: _unflipped(net, n, t) for n, t in cores.items()}
 
 
+def check_options(*, max_iter: int = 200, tol: float = 1e-7, starts: int = 4, hops: int = 64,
+                  max_seconds: float | None = None) -> None:
+    """Raise :class:`SpecError` unless these are options :func:`fit` takes."""
+    if not (isinstance(max_iter, int) and max_iter >= 1 and isinstance(starts, int) and
+            starts >= 1 and isinstance(hops, int) and hops >= 0 and tol >= 0):
+        raise SpecError(f"max_iter={max_iter!r}, starts={starts!r}, hops={hops!r} and "
+                        f"tol={tol!r} must be ints >= 1, an int >= 0 and a number >= 0")
+    if max_seconds is not None and (isinstance(max_seconds, bool) or
+                                    not isinstance(max_seconds, (int, float)) or
+                                    not max_seconds > 0):
+        raise SpecError(f"max_seconds={max_seconds!r} must be a positive number of seconds, "
+                        "or None for no limit")
+
+
 def _als(stds: Mapping[str, float], problems: Mapping[str, "_Problem"], order: Sequence[str],
-         whole, w: Tensor, cores: dict[str, Tensor], sweeps: int, tol: float
-         ) -> tuple[float, dict[str, Tensor]]:
-    """ALS sweeps over ``order`` with Bro's extrapolation; returns (error, cores)."""
+         whole, w: Tensor, cores: dict[str, Tensor], sweeps: int, tol: float,
+         deadline: float = math.inf) -> tuple[float, dict[str, Tensor]]:
+    """ALS sweeps over ``order`` with Bro's extrapolation, until converged or ``deadline``
+    (``time.monotonic``); returns (error, cores)."""
     norm = float(torch.linalg.vector_norm(w))
 
     def error_of(c: Mapping[str, Tensor]) -> float:
@@ -175,7 +207,7 @@ def _als(stds: Mapping[str, float], problems: Mapping[str, "_Problem"], order: S
                 cores, error = trial, trial_error
         last = before
         _balance(stds, cores)
-        if error < 1e-13 or previous - error <= tol * error:
+        if error < 1e-13 or previous - error <= tol * error or time.monotonic() > deadline:
             break
         previous = error
     return error, cores
@@ -185,8 +217,8 @@ _PROBE, _PAYS = 8, 0.95  # hopping goes on past _PROBE hops only if they cut the
 
 
 def _hop(stds: Mapping[str, float], problems: Mapping[str, "_Problem"], whole, w: Tensor,
-         best: tuple[float, dict[str, Tensor]], hops: int, sweeps: int, tol: float
-         ) -> tuple[float, dict[str, Tensor]]:
+         best: tuple[float, dict[str, Tensor]], hops: int, sweeps: int, tol: float,
+         deadline: float = math.inf) -> tuple[float, dict[str, Tensor]]:
     """Basin hopping: redraw one to three cores of the best fit at random, solve them first,
     sweep ALS again, and keep the result when its error is lower. The minima ALS stops in on a
     loopy network (the Odd one) usually have a few cores wrong and the rest right: restarting
@@ -204,7 +236,8 @@ def _hop(stds: Mapping[str, float], problems: Mapping[str, "_Problem"], whole, w
     patience = max(hops // 2, 1)
     first = error
     for hop in range(hops):
-        if error < 1e-13 or idle >= patience or (hop == _PROBE and error > _PAYS * first):
+        if error < 1e-13 or idle >= patience or (hop == _PROBE and error > _PAYS * first) \
+                or time.monotonic() > deadline:
             break
         k = 1 + int(torch.randint(min(3, len(names) - 1), (), generator=gen))
         chosen = [names[int(i)] for i in torch.randperm(len(names), generator=gen)[:k]]
@@ -214,12 +247,13 @@ def _hop(stds: Mapping[str, float], problems: Mapping[str, "_Problem"], whole, w
             draw = torch.randn(trial[n].shape, generator=gen, dtype=torch.float64) * rms
             trial[n] = draw.to(w.device)
         order = chosen + [n for n in names if n not in chosen]
-        trial_error, trial = _als(stds, problems, order, whole, w, trial, sweeps, screen)
+        trial_error, trial = _als(stds, problems, order, whole, w, trial, sweeps, screen,
+                                  deadline)
         idle = 0 if trial_error < 0.99 * error else idle + 1
         if trial_error < error:
             error, cores = trial_error, trial
-    return _als(stds, problems, names, whole, w, cores, sweeps, tol) if screen > tol else \
-        (error, cores)
+    return _als(stds, problems, names, whole, w, cores, sweeps, tol, deadline) \
+        if screen > tol and time.monotonic() <= deadline else (error, cores)
 
 
 class _Problem:

@@ -140,7 +140,7 @@ class Layer(nn.Module):
         return decompose.dense_weight(self.network, dict(self.named_parameters()))
 
     def fit_(self, weight: torch.Tensor, *, max_iter: int = 200, tol: float = 1e-7,
-             starts: int = 4, hops: int = 64) -> float:
+             starts: int = 4, hops: int = 64, max_seconds: float | None = 60.0) -> float:
         """Set the cores, in place, so that :meth:`dense_weight` approximates ``weight`` (an
         ``nn.ConvNd``/``nn.Linear`` weight of that shape); return the relative error
         ``||dense_weight() - weight|| / ||weight||`` reached, computed from the cores as set.
@@ -151,13 +151,15 @@ class Layer(nn.Module):
         what lets loopy networks such as Odd reach their optimum); at most ``max_iter``
         sweeps a run, stopping when one improves the error by less than ``tol`` of it. Works
         for any conv-like or linear-like network, on the layer's device, in float64
-        internally. The bias is left alone. The global RNG is untouched."""
+        internally. ``max_seconds`` bounds the whole fit (None: no limit): past it the best
+        fit so far is kept, and a ``tnspec`` log record at INFO says so. The bias is left
+        alone. The global RNG is untouched."""
         if not isinstance(weight, torch.Tensor):
             raise TypeError(f"fit_ takes the dense weight as a torch.Tensor, got "
                             f"{type(weight).__name__}")
         first = next(iter(self.parameters()))
         cores = decompose.fit(self.network, weight.detach().to(first.device), max_iter=max_iter,
-                              tol=tol, starts=starts, hops=hops)
+                              tol=tol, starts=starts, hops=hops, max_seconds=max_seconds)
         with torch.no_grad():
             for name, tensor in cores.items():
                 getattr(self, name).copy_(tensor)
