@@ -294,3 +294,67 @@ def test_the_cli_shows_and_refreshes_the_cache(calibrated):
                          timeout=300)
     assert bad.returncode == 2
     assert "cannot measure device 'tpu'" in bad.stderr
+
+
+def _busy_samples(*args, **kwargs) -> list[measure.Sample]:
+    """What a machine busy with other work measures: every step about 56 ms whatever its
+    size, repeats far apart."""
+    return [measure.Sample("conv", n, g, ci, co, s * s, k * k, 0.056 + 1e-6 * i, spread=3.0)
+            for i, (n, g, ci, co, s, k) in enumerate(measure.CONVS)] + \
+        [measure.Sample("einsum", n, 1, ci, co, s, 1, 0.056 + 1e-6 * i, spread=3.0)
+         for i, (n, ci, co, s) in enumerate(measure.EINSUMS)]
+
+
+def test_an_implausible_calibration_is_measured_again_then_not_kept(calibrated, monkeypatch):
+    calls = []
+    monkeypatch.setattr(calibration, "measure", lambda *a, **k: calls.append(1) or
+                        _busy_samples())
+    with pytest.warns(UserWarning, match="not plausible twice .*overhead .* us per step.*"
+                                         "built-in constants"):
+        found = tnspec.calibrate()
+    assert len(calls) == 2  # measured again before giving up
+    assert found.model == CostModel() and calibration.cost_model() == CostModel()
+    assert found.conditions["attempts"] == 2 and found.conditions["doubts"]
+    assert "repeats spread x3.00" in " ".join(found.conditions["doubts"])
+    assert not calibrated.exists()  # nothing kept: the next process measures again
+    assert "not plausible" in found.describe() and "nothing was kept" in found.describe()
+
+
+def test_a_second_measurement_that_is_plausible_is_kept(calibrated, monkeypatch):
+    real, calls = measure.measure, []
+
+    def busy_then_idle(*args, **kwargs):
+        calls.append(1)
+        return _busy_samples() if len(calls) == 1 else real(*args, **kwargs)
+    monkeypatch.setattr(calibration, "measure", busy_then_idle)
+    found = tnspec.calibrate()
+    assert len(calls) == 2 and found.conditions["attempts"] == 2
+    assert found.conditions["doubts"] == [] and found.model != CostModel()
+    stored = json.loads(calibrated.read_text())["devices"][found.key]
+    assert stored["conditions"]["attempts"] == 2 and stored["conditions"]["cpus"] >= 1
+
+
+def test_an_implausible_cached_calibration_is_dropped_and_measured_again(calibrated):
+    key = calibration.device_key("cpu", torch.float32)
+    bad = {"model": {**vars(CostModel()), "einsum_rate": 1e15, "overhead": 0.056461},
+           "error": 1.2, "seconds": 10.0, "samples": 18}
+    calibrated.write_text(json.dumps({"format": calibration.FORMAT, "devices": {key: bad},
+                                      "choices": {}}))
+    with pytest.warns(UserWarning, match=r"ignoring the cached calibration .*overhead 56461 us"
+                                         r" per step; einsum 1e\+15 MAC/s"):
+        found = tnspec.calibrate()
+    assert found.model.overhead < calibration.MAX_OVERHEAD or found.conditions["doubts"]
+    assert found.model.einsum_rate != 1e15
+
+
+def test_a_first_call_that_times_logs_what_it_did(calibrated, caplog):
+    tnspec.calibrate()
+    layer = tnspec.layer(TUCKER2, c=16, o=16, r0=2, r1=3, kh=3, kw=3)
+    with caplog.at_level("DEBUG", logger="tnspec"):
+        layer(torch.randn(4, 16, 8, 8))
+        layer(torch.randn(4, 16, 8, 8))  # the second call logs nothing
+    (record,) = [r for r in caplog.records if "first call" in r.getMessage()]
+    assert record.name == "tnspec"
+    assert "for input [4, 16, 8, 8]: first call took" in record.getMessage()
+    assert "timed" in record.getMessage() or "recalled" in record.getMessage()
+    assert record.levelname in ("DEBUG", "INFO")  # INFO past a second

@@ -23,24 +23,27 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import os
 import platform
 import tempfile
 import time
 import warnings
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from .cost import Chooser, CostModel, Mixing
-from .measure import batch_class, fit, measure, time_mixing
+from .measure import MAX_RATE, batch_class, fit, measure, time_mixing
 
 ENV_DIR = "TNSPEC_CACHE_DIR"
 ENV_SWITCH = "TNSPEC_CALIBRATE"
 FILE_NAME = "calibration.json"
 FORMAT = 2  # bumped when the measurement or the model changes; older entries are re-measured
+
+logger = logging.getLogger("tnspec")
 
 
 @dataclass(frozen=True)
@@ -52,17 +55,24 @@ class Calibration:
     error: float  # median |log(predicted / measured)| over the samples, as a factor
     seconds: float  # how long measuring took
     samples: int
+    #: what the machine was like: 1-minute load and CPUs before measuring, the repeats' spread,
+    #: measurements taken, and the doubts that made it fall back to the built-in constants
+    conditions: dict[str, Any] = field(default_factory=dict)
 
     def describe(self) -> str:
         """The constants in words, as ``tnspec calibrate`` prints them."""
         m = self.model
+
+        def rate(value: float) -> str:  # MAX_RATE: the samples put no cost on that work
+            return "unbounded" if value >= MAX_RATE else f"{value:.3g}"
         return (f"{self.key}\n"
-                f"  conv {m.conv_rate:.3g} MAC/s, einsum {m.einsum_rate:.3g} MAC/s, "
+                f"  conv {rate(m.conv_rate)} MAC/s, einsum {rate(m.einsum_rate)} MAC/s, "
                 f"channels c0 {m.channels:.3g}, grouped x{m.grouped:.3g}\n"
-                f"  bandwidth {m.bandwidth:.3g} elements/s (einsum {m.einsum_bandwidth:.3g}), "
+                f"  bandwidth {rate(m.bandwidth)} elements/s (einsum "
+                f"{rate(m.einsum_bandwidth)}), "
                 f"overhead {m.overhead * 1e6:.0f} us per step\n"
                 f"  fitted to {self.samples} steps measured in {self.seconds:.1f} s; "
-                f"median error x{self.error:.2f}")
+                f"median error x{self.error:.2f}" + _conditions(self.conditions))
 
 
 # ---- where and under which name --------------------------------------------------------------
@@ -139,9 +149,36 @@ def calibrate(device: torch.device | str = "cpu", dtype: torch.dtype = torch.flo
     if not refresh and key in entries:
         return entries[key]
     start = time.perf_counter()
-    samples = measure(device, dtype)
-    model, error = fit(samples)
-    found = Calibration(key, model, error, time.perf_counter() - start, len(samples))
+    for attempt in (1, 2):  # a fit taken while the machine was busy is measured once more
+        load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+        before = others_running()
+        samples = measure(device, dtype)
+        model, error = fit(samples)
+        spread = sorted(s.spread for s in samples)[len(samples) // 2]
+        others = max((n for n in (before, others_running()) if n is not None), default=None)
+        found_doubts = doubts(model, error, spread, torch.device(device).type)
+        if others is not None and others >= (os.cpu_count() or 1) and \
+                torch.device(device).type == "cpu":
+            found_doubts.append(f"{others} other threads running on {os.cpu_count()} CPUs")
+        if not found_doubts:
+            break
+        logger.info("calibration of %s, attempt %d, is not plausible (%s)", key, attempt,
+                    "; ".join(found_doubts))
+    conditions = {"load": load, "cpus": os.cpu_count(), "others": others,
+                  "spread": round(spread, 3),
+                  "attempts": attempt, "doubts": found_doubts}
+    seconds = time.perf_counter() - start
+    logger.log(logging.INFO if seconds > 1 else logging.DEBUG, "calibrated %s in %.1f s",
+               key, seconds)
+    if found_doubts:  # kept for this process only: the next one measures again
+        warnings.warn(f"tnspec: the calibration of {key} was not plausible twice "
+                      f"({'; '.join(found_doubts)}), as on a busy machine: this process plans "
+                      "with the built-in constants; run `tnspec calibrate --refresh` when the "
+                      "machine is idle", stacklevel=2)
+        builtin = CostModel(scale=2.0 if dtype.itemsize == 8 else 1.0)
+        _memory[key] = builtin
+        return Calibration(key, builtin, error, seconds, len(samples), conditions)
+    found = Calibration(key, model, error, seconds, len(samples), conditions)
     entries[key] = found
     if refresh:  # the device's measured choices go too
         choices = {k: v for k, v in choices.items() if not k.startswith(key + " | ")}
@@ -149,6 +186,64 @@ def calibrate(device: torch.device | str = "cpu", dtype: torch.dtype = torch.flo
     _memory[key] = model
     _choices = choices
     return found
+
+
+#: what no idle measurement gives: a fit past these was taken under load, or from noise
+MAX_OVERHEAD = 2e-3  # seconds per step (idle: about 0.1-0.3 ms on a CPU, 10 us on a GPU)
+MAX_ERROR = 2.5  # the fit's median error, as a factor
+MAX_SPREAD = 1.5  # the median step's median repeat over its fastest
+MAX_CPU_RATE = 1e13  # multiply-adds per second, beyond any CPU's peak
+MAX_CPU_BANDWIDTH = 1e12  # elements per second
+
+
+def doubts(model: CostModel, error: float, spread: float, device_type: str) -> list[str]:
+    """Why a fitted model is not plausible (empty when it is): a per-step overhead, a fit
+    error or a spread between repeats that only a busy machine gives, or, on a CPU, a fitted
+    rate no CPU reaches. (A rate the samples do not bound at all, ``MAX_RATE``, is no doubt:
+    idle fits give it too, where that work costs too little to show beside the rest.)"""
+    found = []
+    if model.overhead > MAX_OVERHEAD:
+        found.append(f"overhead {model.overhead * 1e6:.0f} us per step")
+    if error > MAX_ERROR:
+        found.append(f"median error x{error:.2f}")
+    if spread > MAX_SPREAD:
+        found.append(f"repeats spread x{spread:.2f}")
+    if device_type == "cpu":
+        for name, value, limit, unit in (
+                ("conv", model.conv_rate, MAX_CPU_RATE, "MAC/s"),
+                ("einsum", model.einsum_rate, MAX_CPU_RATE, "MAC/s"),
+                ("bandwidth", model.bandwidth, MAX_CPU_BANDWIDTH, "elements/s"),
+                ("einsum bandwidth", model.einsum_bandwidth, MAX_CPU_BANDWIDTH, "elements/s")):
+            if limit < value < MAX_RATE:
+                found.append(f"{name} {value:.3g} {unit}")
+    return found
+
+
+def others_running() -> int | None:
+    """How many threads of other processes are running or ready to run now (the median of
+    a few reads of ``/proc/loadavg``, less this thread), or None where that file is absent."""
+    counts = []
+    for _ in range(5):
+        try:
+            with open("/proc/loadavg") as f:
+                counts.append(int(f.read().split()[3].split("/")[0]) - 1)
+        except (OSError, ValueError, IndexError):
+            return None
+        time.sleep(0.002)
+    return sorted(counts)[2]
+
+
+def _conditions(c: dict[str, Any]) -> str:
+    if not c:
+        return ""
+    load = "" if c.get("load") is None else f" at load {c['load']:.2f}"
+    others = "" if c.get("others") is None else f", {c['others']} other threads running"
+    text = (f"\n  measured{load} on {c.get('cpus')} CPUs{others}, {c.get('attempts')} attempt(s), "
+            f"repeats spread x{c.get('spread')}")
+    if c.get("doubts"):
+        text += (f"\n  not plausible ({'; '.join(c['doubts'])}): the built-in constants are "
+                 "used, and nothing was kept")
+    return text
 
 
 def forget() -> None:
@@ -237,7 +332,13 @@ def _read() -> tuple[dict[str, Calibration], dict[str, dict[str, Any]]]:
         for key, e in data["devices"].items():
             model = CostModel(**{k: float(v) for k, v in e["model"].items() if k in names})
             entries[key] = Calibration(key, model, float(e["error"]), float(e["seconds"]),
-                                       int(e["samples"]))
+                                       int(e["samples"]), dict(e.get("conditions", {})))
+            dubious = doubts(model, float(e["error"]), 1.0, key.split(" ", 1)[0])
+            if dubious:  # kept by an older tnspec, or edited by hand: measured again
+                warnings.warn(f"tnspec: ignoring the cached calibration {key} "
+                              f"({'; '.join(dubious)}), not plausible; measuring again",
+                              stacklevel=3)
+                del entries[key]
         choices = dict(data.get("choices", {}))
         for key, c in choices.items():  # an op per mixing step, or an order per layer
             if "order" not in c and c["op"] not in ("conv1x1", "einsum"):
@@ -254,7 +355,8 @@ def _write(entries: dict[str, Calibration], choices: dict[str, dict[str, Any]]) 
     path = cache_path()
     data = {"format": FORMAT, "devices": {
         k: {"model": asdict(c.model), "error": c.error, "seconds": c.seconds,
-            "samples": c.samples} for k, c in entries.items()}, "choices": choices}
+            "samples": c.samples, "conditions": c.conditions} for k, c in entries.items()},
+        "choices": choices}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         # written whole, then renamed: a reader never sees half a file

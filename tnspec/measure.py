@@ -36,6 +36,7 @@ class Sample:
     positions: int
     kernel: int
     seconds: float
+    spread: float = 1.0  # the median of its repeats over the fastest: how noisy the timing was
 
     @property
     def traffic(self) -> int:
@@ -99,7 +100,8 @@ class Bench:
 
 
 def measure(device: torch.device | str, dtype: torch.dtype, repeats: int = 5) -> list[Sample]:
-    """Time the fixed set of steps, forward and backward; the fastest round per step."""
+    """Time the fixed set of steps, forward and backward; the fastest round per step (and how
+    far the median round was from it)."""
     bench = Bench(device, dtype)
     rand, step = bench.rand, bench.step
     samples, runs = [], []
@@ -113,7 +115,8 @@ def measure(device: torch.device | str, dtype: torch.dtype, repeats: int = 5) ->
                              rand(cout, cin)))
             samples.append(Sample("einsum", n, 1, cin, cout, s, 1, 0.0))
         times = bench.rounds(runs, repeats)
-    return [replace(sample, seconds=min(t)) for sample, t in zip(samples, times)]
+    return [replace(sample, seconds=min(t), spread=sorted(t)[len(t) // 2] / min(t))
+            for sample, t in zip(samples, times)]
 
 
 #: a channel-mixing step is timed at a batch of at most this many elements per operand side
@@ -167,7 +170,7 @@ def timed(run: Callable[[], None], device: torch.device) -> float:
 #: the two nonlinear constants are searched on a grid; the five others are then linear
 _CHANNELS = (0.5, 1, 2, 4, 8, 16, 32)
 _GROUPED = (1.0, 1.25, 1.5, 2.0, 3.0)
-_MAX_RATE = 1e16  # a rate the samples cannot bound (zero coefficient) is taken as this
+MAX_RATE = 1e16  # a rate the samples cannot bound (zero coefficient) is taken as this
 
 
 def fit(samples: list[Sample]) -> tuple[CostModel, float]:
@@ -202,7 +205,7 @@ def fit(samples: list[Sample]) -> tuple[CostModel, float]:
 
 
 def _rate(coefficient: float) -> float:
-    return 1.0 / coefficient if coefficient > 1.0 / _MAX_RATE else _MAX_RATE
+    return 1.0 / coefficient if coefficient > 1.0 / MAX_RATE else MAX_RATE
 
 
 def _median_log_error(model: CostModel, samples: list[Sample]) -> float:

@@ -11,6 +11,7 @@ the class its last eager call ran.
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 import weakref
 from collections import OrderedDict
@@ -29,6 +30,8 @@ from .settings import positive_limit
 from .shapes import bind_shape, example_shape, geometry, nn_attributes
 
 __all__ = ["Layer"]
+
+logger = logging.getLogger("tnspec")
 
 
 class Layer(nn.Module):
@@ -184,8 +187,15 @@ class Layer(nn.Module):
         if key in classes:
             classes.move_to_end(key)
             return classes[key]
-        cls = self._fastest(shape, channels_last) if self._tunes() else \
-            self._planned(shape, channels_last)
+        start = time.perf_counter()
+        cls, work = self._fastest(shape, channels_last) if self._tunes() else \
+            (self._planned(shape, channels_last), "planned, nothing timed")
+        spent = time.perf_counter() - start
+        # a first call that blocks for seconds should not be silent (see the README, Speed)
+        logger.log(logging.INFO if spent > 1.0 else logging.DEBUG,
+                   "%s for input %s: first call took %.2f s (%s)%s", self.spec, list(shape),
+                   spent, work, "; to avoid it: warm up with one call per shape, keep the "
+                   "calibration cache, or autotune=False" if spent > 1.0 else "")
         classes[key] = cls
         while len(classes) > self.plan_cache_size:
             classes.popitem(last=False)
@@ -220,7 +230,7 @@ class Layer(nn.Module):
         return runtime.layer_class(self.network, the_plan)
 
     def _fastest(self, shape: tuple[int, ...], channels_last: bool = False,
-                 repeats: int = 5) -> type:
+                 repeats: int = 5) -> tuple[type, str]:
         """The fastest distinct candidate order for ``shape``, timed forward and backward on
         the cores' device, or recalled from the calibration cache where a process timed the
         same candidates' code before (where another build of tnspec lowers them differently,
@@ -231,7 +241,7 @@ class Layer(nn.Module):
         against the model's order alone; an order the cost model prices at more than
         ``calibration.PRUNE`` times the cheapest is not timed. Timing uses its own random
         generator and gradients, so that the global RNG, ``no_grad``, ``inference_mode`` and
-        frozen cores are left as they are."""
+        frozen cores are left as they are. Returns the class and what was done, in words."""
         bound = bind_shape(self.network, shape)
         plans = []
         for name in ("auto", "greedy", "dense-first", "left-to-right"):
@@ -255,7 +265,7 @@ class Layer(nn.Module):
             key = "channels-last inside, " + next(iter(candidates))
             candidates[key] = runtime.layer_class(self.network, plans[0], convert=True)
         if len(candidates) == 1:
-            return next(iter(candidates.values()))
+            return next(iter(candidates.values())), "one candidate order, nothing timed"
         sizes = ", ".join(f"{k}={v}" for k, v in sorted(self.sizes.items()))
         what = f"order of {self.spec} ({sizes}) for {list(self._shape_key(shape))}" + \
             (" channels_last" if channels_last else "")
@@ -264,7 +274,8 @@ class Layer(nn.Module):
         found = calibration.recall(device, dtype, what) if kept else None
         code = runtime.fingerprint(*candidates.values())
         if found is not None and found.get("order") in candidates and found.get("code") == code:
-            return candidates[found["order"]]  # timed among the very same code
+            # timed among the very same code
+            return candidates[found["order"]], "order recalled from the calibration cache"
         classes = list(candidates.values())
         seconds = self._time(classes, shape, repeats, channels_last)
         best = min(range(len(seconds)), key=seconds.__getitem__)
@@ -277,7 +288,7 @@ class Layer(nn.Module):
         if kept:
             calibration.remember(device, dtype, what, {
                 "order": list(candidates)[best], "code": code, "seconds": seconds[best]})
-        return classes[best]
+        return classes[best], f"timed {len(classes)} candidate orders forward and backward"
 
     def _time(self, classes: list[type], shape: tuple[int, ...], repeats: int,
               channels_last: bool = False) -> list[float]:
