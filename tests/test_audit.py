@@ -58,7 +58,8 @@ def test_plain_torch_layers_and_containers():
         ("0", "Conv2d"), ("2.0", "Conv2d"), ("4", "Linear")]
     assert all(r["backward"] is None and r["predicted"] is None for r in result.rows)
     text = str(result)
-    assert text.splitlines()[0].split() == ["layer", "type", "forward", "backward", "predicted"]
+    assert text.splitlines()[0].split() == ["layer", "type", "forward", "backward", "predicted",
+                                           "note"]
     assert "2.0" in text and "Conv2d" in text
 
 
@@ -106,3 +107,68 @@ def test_a_functional_in_place_op_after_a_layer_is_audited_as_its_out_of_place_t
                             torch.randn(3, 4, 8, 8, generator=torch.Generator().manual_seed(0)))
     assert measured.rows[0]["backward"] == pytest.approx(float(g[0].double().var() /
                                                                g[1].double().var()))
+
+
+def test_rows_whose_input_breaks_the_predictions_assumptions_are_flagged():
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        tnspec.layer("x[b, i], W[i, o] -> y[b, o]", i=64, o=64, activation="linear"),
+        nn.BatchNorm1d(64),
+        tnspec.layer("x[b, i], W[i, o] -> y[b, o]", i=64, o=64, activation="linear"),
+        tnspec.layer("x[b, i], W[i, o] -> y[b, o]", i=64, o=64, activation="linear"))
+    x = torch.randn(256, 64) + 3.0  # an image-like input: far from centred
+    rows = tnspec.audit(model, x).rows
+    assert [r["name"] for r in rows] == ["0", "1", "2", "3"]
+    first, _, normed, plain = rows
+    assert first["input_mean"] == pytest.approx(3.0, rel=0.1)
+    assert any("input not centred: mean +3" in f for f in first["flags"])
+    # the measured ratio is (1 + m^2/v) times the prediction, as the note says
+    assert first["forward"] == pytest.approx(first["predicted"][0] * (1 + 3.0 ** 2), rel=0.2)
+    assert normed["after"] == "1" and "after 1 (normalized input)" in normed["flags"]
+    assert plain["flags"] == () and plain["after"] is None
+    text = str(tnspec.audit(model, x))
+    assert "input not centred" in text and "for inputs of mean 0" in text
+
+
+def test_audit_leaves_running_statistics_and_the_rng_alone_in_train_mode():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Dropout(0.5),
+                          nn.Conv2d(8, 4, 3)).train()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    x = torch.randn(4, 3, 10, 10)
+    rng = torch.get_rng_state()
+    tnspec.audit(model, x)
+    assert torch.equal(torch.get_rng_state(), rng)
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert model.training
+
+
+def test_a_zero_variance_gives_inf_or_nan_not_a_crash():
+    zero = nn.Linear(8, 8)
+    nn.init.zeros_(zero.weight)
+    nn.init.zeros_(zero.bias)
+    after = nn.Linear(8, 8, bias=False)
+    rows = tnspec.audit(nn.Sequential(zero, after), torch.randn(16, 8)).rows
+    assert rows[0]["forward"] == 0.0 and rows[0]["backward"] == 0.0  # W = 0: y = 0, dx = 0
+    assert math.isnan(rows[1]["forward"])  # 0 / 0: a zero input, a zero output
+    (row,) = tnspec.audit(nn.Sequential(nn.Linear(8, 8)), torch.ones(4, 8).cumsum(1)).rows
+    assert math.isfinite(row["forward"])
+    (row,) = tnspec.audit(nn.Sequential(nn.Linear(8, 8)), torch.ones(4, 8)).rows
+    assert row["forward"] == math.inf  # a constant input, a varying output
+
+
+def test_a_model_that_changes_its_input_in_place_is_audited():
+    class Scale(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x.mul_(2.0)
+            return self.lin(x)
+    x = torch.randn(16, 8)
+    saved = x.clone()
+    (row,) = tnspec.audit(Scale(), x).rows
+    assert row["name"] == "lin" and row["backward"] is not None
+    assert torch.equal(x, saved)  # the caller's tensor is not the one changed
