@@ -25,7 +25,7 @@ import tnspec
 
 from .common import digits, markdown_table, plt, save, train
 
-FORMATS = ("tucker2", "tr")
+FORMATS = ("tucker2", "cp", "tt", "tr")
 SHARES = (0.5, 0.25)
 
 

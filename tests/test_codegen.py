@@ -181,7 +181,7 @@ def test_plan_report_for_tr_names_kinds_and_beats_dense():
     report = plan.report()
     assert plan.flops < 2 * plan.dense_macs
     assert "vs dense" in report and "x fewer" in report
-    rows = report.splitlines()[3:]
+    rows = report.splitlines()[4:]
     assert len(rows) == len(plan.steps) == 7
     assert [r.split()[1] for r in rows] == [s.op for s in plan.steps]  # exactly what runs
     assert sum(s.op == "conv" for s in plan.steps) == 1

@@ -48,8 +48,10 @@ def test_report_names_each_steps_op():
     p = planned(HTK2, (8, 64, 32, 32), "left-to-right", c=64, o=64, r0=10, r1=10, kh=3, kw=3,
                 phi=4)
     rows = p.report().splitlines()
-    assert rows[2].split()[:2] == ["step", "op"]
-    assert [r.split()[1] for r in rows[3:]] == ["conv1x1", "conv", "conv1x1"]
+    assert rows[1] == ("  for an input x of shape [8, 64, 32, 32] (b=8, h+kh-1=32, w+kw-1=32); "
+                       "another shape may be planned differently")
+    assert rows[3].split()[:2] == ["step", "op"]
+    assert [r.split()[1] for r in rows[4:]] == ["conv1x1", "conv", "conv1x1"]
 
 
 # ---- guards: every tensor of the forward pass, in bytes, at the batch of the call ----------

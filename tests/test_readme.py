@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import warnings
 
 import pytest
 import torch
@@ -20,7 +21,11 @@ def test_readme_has_examples():
 def test_readme_block_runs(code, tmp_path, monkeypatch):
     """Each block runs as a fresh program would: dynamo forgets the frames earlier tests
     compiled (after test_integration's compile tests, the fullgraph=True block here found "no
-    compiled frames" unless dynamo was reset)."""
+    compiled frames" unless dynamo was reset). A warning other than a deprecation (torch's) fails it: a
+    new user copies these."""
     monkeypatch.chdir(ROOT)
     torch._dynamo.reset()
-    exec(compile(code, "README.md", "exec"), {"__name__": "readme"})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warnings.simplefilter("ignore", DeprecationWarning)  # torch's own, e.g. in export
+        exec(compile(code, "README.md", "exec"), {"__name__": "readme"})

@@ -51,7 +51,13 @@ class Plan:
             size = math.prod(sizes[i] for i in s.result.indices)
             rows.append(f"  {n:<5}{s.op:<9}{s.flops:>12,}{size:>12,}  {what}")
         dense = 2 * self.dense_macs
-        head = (f"plan ({self.planner}) for {self.network.spec}\n"
+        net = self.network
+        shape = [math.prod(sizes[i] for i in axis) for axis in net.input.axes]
+        runtime = ", ".join(f"{i}={sizes[i]}" for i in net.input.indices if net.index(i).runtime)
+        head = (f"plan ({self.planner}) for {net.spec}\n"
+                f"  for an input {net.input.name} of shape {shape}"
+                + (f" ({runtime})" if runtime else "") + "; another shape may be planned "
+                "differently\n"
                 f"  total {self.flops:,} FLOPs vs dense {dense:,} "
                 f"({dense / max(self.flops, 1):.2f}x fewer); "
                 f"largest intermediate {self.largest_intermediate:,} elements")
