@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 import tnspec
-from tnspec import convert, decompose, formats
+from tnspec import als, convert, decompose, formats
 
 
 def _instance(fmt: formats.Format, seed: int, noise: float = 0.005,
@@ -54,11 +54,11 @@ def test_hops_stop_after_the_probe_on_a_weight_the_format_only_approximates(monk
     # a random kernel has no exact Odd fit: the first hops gain little, so hopping stops
     # there instead of running out its patience (32 idle hops for hops=64)
     runs = []
-    als = decompose._als
-    monkeypatch.setattr(decompose, "_als", lambda *a, **k: runs.append(1) or als(*a, **k))
+    real = als.run
+    monkeypatch.setattr(als, "run", lambda *a, **k: runs.append(1) or real(*a, **k))
     weight = torch.randn(16, 16, 3, 3, generator=torch.Generator().manual_seed(0))
     formats.build("odd", 16, 16, 3, padding=1, rank=0.2).layer().fit_(weight, starts=1)
-    assert len(runs) == 1 + decompose._PROBE + 1  # the start, the probe hops, the polish
+    assert len(runs) == 1 + als.PROBE + 1  # the start, the probe hops, the polish
 
 
 def test_fit_of_a_linear_layer_matches_the_outputs_of_the_fitted_layer():
@@ -85,8 +85,8 @@ def test_fit_handles_groups_strides_and_dimensions(kernel, kwargs):
 
 
 def test_fit_never_forms_a_large_gram_matrix_and_still_converges(monkeypatch):
-    monkeypatch.setattr(decompose, "GRAM_ELEMENTS", 0)
-    monkeypatch.setattr(decompose, "GRAM_FACTOR", 0)  # conjugate gradients for every core
+    monkeypatch.setattr(als, "GRAM_ELEMENTS", 0)
+    monkeypatch.setattr(als, "GRAM_FACTOR", 0)  # conjugate gradients for every core
     fmt = formats.tucker2(32, 32, 3, rank=6, padding=1)
     weight = _instance(fmt, seed=3)
     assert fmt.layer().fit_(weight) < 0.02
@@ -246,7 +246,7 @@ def test_fit_on_cuda():
 def _problems(net) -> dict:
     lay = decompose.layout(net)
     labels = {k.name: k.indices for k in net.cores}
-    return {name: decompose._Problem(name, labels, lay, net.sizes) for name in labels}
+    return {name: als.Problem(name, labels, lay, net.sizes) for name in labels}
 
 
 def test_every_other_start_gives_a_many_bond_factor_its_subspace():
@@ -265,7 +265,7 @@ def test_every_other_start_gives_a_many_bond_factor_its_subspace():
         cols = core.reshape(32, -1)
         return float(torch.linalg.norm(cols - top @ (top.T @ cols)) / torch.linalg.norm(cols))
     for seed in range(4):
-        cores, seeded = decompose._start(net, w, _problems(net), stds, seed)
+        cores, seeded = als.start(net, w, _problems(net), stds, seed)
         assert ("A" in seeded) is (seed % 2 == 1)
         assert (outside(cores["A"]) < 1e-9) is (seed % 2 == 1)
     fmt = formats.build("tucker2", 32, 32, 3, padding=1, rank=0.2)
@@ -273,7 +273,7 @@ def test_every_other_start_gives_a_many_bond_factor_its_subspace():
     w = _instance(fmt, seed=0).double().reshape(decompose.layout(net).modes)
     stds = {c.name: 1.0 for c in net.cores}
     for seed in range(2):
-        assert decompose._start(net, w, _problems(net), stds, seed)[1] == {"U", "V"}
+        assert als.start(net, w, _problems(net), stds, seed)[1] == {"U", "V"}
 
 
 def test_an_unreachable_error_goal_keeps_the_layer_dense_and_says_so():
@@ -326,3 +326,36 @@ def test_fit_stops_at_max_seconds_keeps_the_best_so_far_and_logs_it(caplog):
         error = layer.fit_(weight, max_seconds=1e-3)
     assert error == pytest.approx(_true_error(layer, weight), rel=1e-6) and error < 1
     assert any("stopped by max_seconds=0.001" in r.getMessage() for r in caplog.records)
+
+
+def test_fit_of_a_single_core_network_is_exact():
+    layer = tnspec.layer("x[b, i], W[i, o] -> y[b, o]", i=4, o=3)
+    weight = torch.randn(3, 4)
+    assert layer.fit_(weight) < 1e-12
+    torch.testing.assert_close(layer.dense_weight().detach(), weight)
+    model, report = tnspec.tensorize(nn.Sequential(nn.Linear(4, 3)), "standard",
+                                     weights="fit")
+    assert report.replaced[0].fit_error < 1e-6 and not report.skipped
+
+
+@pytest.mark.parametrize("name", ["tucker2", "tt", "cp", "standard"])
+def test_fit_to_an_all_zero_weight_leaves_a_layer_that_trains(name):
+    """A zero-initialized conv (ControlNet, zero-init residual branches): all cores zero would
+    be a saddle where every gradient is zero; one core zero keeps the layer zero and
+    trainable."""
+    conv = nn.Conv2d(8, 8, 3, padding=1)
+    nn.init.zeros_(conv.weight)
+    nn.init.zeros_(conv.bias)
+    model, report = tnspec.tensorize(nn.Sequential(conv), name, rank=0.5, weights="fit")
+    layer = model[0]
+    assert report.replaced[0].fit_error == 0.0
+    assert not layer.dense_weight().detach().any()
+    assert "all zero" in report.replaced[0].note and "all zero" in str(report)
+    x = torch.randn(2, 8, 6, 6)
+    assert not layer(x).detach().any()
+    opt = torch.optim.SGD(layer.parameters(), lr=0.1)
+    for _ in range(2):  # the zeroed core moves first, then the others
+        opt.zero_grad()
+        (layer(x) - torch.randn(2, 8, 6, 6)).square().mean().backward()
+        opt.step()
+    assert layer.dense_weight().detach().abs().sum() > 0

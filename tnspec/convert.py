@@ -52,6 +52,7 @@ class Replacement:
     activation_from: str
     fit_error: float | None = None  # relative error of the fitted weight (weights="fit")
     error_goal: float | None = None  # the error= asked for
+    note: str = ""  # what else the report should say of this layer
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,8 @@ class Report:
             how = (f"init for {r.activation} ({r.activation_from})" if r.fit_error is None
                    else f"fitted to its weights, relative error {r.fit_error:.4f}")
             lines.append(f"      {r.params_before:,} -> {r.params_after:,} params, {how}")
+            if r.note:
+                lines.append(f"      {r.note}")
         groups: dict[tuple[str, str], list[str]] = {}
         for (name, why), kind in zip(self.skipped,
                                      self.skipped_kinds or ("layer",) * len(self.skipped)):
@@ -167,11 +170,15 @@ def tensorize(model: nn.Module, format: str = "tucker2", *, rank: int | float = 
             skipped.append((name, exc.message))
             kinds.append(type(module).__name__)
             continue
+        note = ""
+        if weights == "fit" and not module.weight.detach().any():
+            note = (f"the weight is all zero: cores at their Graph-in scale with "
+                    f"{decompose.output_core(new.network)} zeroed, so that it still trains")
         _set_submodule(model, name, new)
         replaced.append(Replacement(name, repr(module), new.spec,
                                     sum(p.numel() for p in module.parameters()),
                                     sum(p.numel() for p in new.parameters()), str(act), source,
-                                    fit_error, error))
+                                    fit_error, error, note))
     after = sum(p.numel() for p in model.parameters())
     return model, Report(format, tuple(replaced), tuple(skipped), before, after, tuple(kinds),
                          tuple(sorted(other.items())))
