@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 import tnspec
-from tnspec import als, convert, decompose, formats
+from tnspec import als, convert, decompose, dense, formats
 
 
 def _instance(fmt: formats.Format, seed: int, noise: float = 0.005,
@@ -229,9 +229,10 @@ def test_merge_keeps_layers_without_a_dense_weight_and_says_so():
     assert isinstance(merged[0], nn.Linear) and merged[1] is other
 
 
-def test_the_merge_docstring_example_runs():
-    result = doctest.testmod(convert, extraglobs={"nn": nn})
-    assert result.failed == 0 and result.attempted >= 2
+def test_the_tensorize_and_merge_docstring_examples_run():
+    for module, examples in ((convert, 3), (dense, 3)):
+        result = doctest.testmod(module, extraglobs={"nn": nn})
+        assert result.failed == 0 and result.attempted >= examples
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -359,3 +360,80 @@ def test_fit_to_an_all_zero_weight_leaves_a_layer_that_trains(name):
         (layer(x) - torch.randn(2, 8, 6, 6)).square().mean().backward()
         opt.step()
     assert layer.dense_weight().detach().abs().sum() > 0
+
+
+class _StdConv2d(nn.Conv2d):
+    """timm's weight-standardized conv: its forward is not a conv of its raw weight."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        w = (w - w.mean((1, 2, 3), keepdim=True)) / (w.std((1, 2, 3), keepdim=True) + 1e-5)
+        return self._conv_forward(x, w, self.bias)
+
+
+class _LoraLinear(nn.Linear):
+    def __init__(self, i: int, o: int) -> None:
+        super().__init__(i, o)
+        self.a, self.b = nn.Parameter(torch.randn(i, 2)), nn.Parameter(torch.randn(2, o))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) + x @ self.a @ self.b
+
+
+class _PlainSubclass(nn.Conv2d):
+    """A subclass that changes nothing a forward computes: replaced as a Conv2d."""
+
+
+@pytest.mark.parametrize("weights", ["init", "fit"])
+def test_subclasses_that_override_forward_are_skipped_and_reported(weights):
+    model = nn.Sequential(_StdConv2d(8, 8, 3, padding=1), nn.ReLU(),
+                          _PlainSubclass(8, 8, 3, padding=1), nn.Flatten(),
+                          _LoraLinear(8 * 4 * 4, 10))
+    std, lora = model[0], model[4]
+    model, report = tnspec.tensorize(model, "tucker2", rank=0.5, weights=weights)
+    assert model[0] is std and model[4] is lora
+    assert isinstance(model[2], tnspec.Layer)
+    why = dict(report.skipped)
+    assert why["0"] == "_StdConv2d overrides forward: a layer of its weight would not compute " \
+                       "what it does"
+    assert "_LoraLinear overrides forward" in why["4"]
+
+
+def test_merge_replaces_a_shared_layer_at_every_name_with_one_module():
+    layer = formats.cp(8, 8, 3, rank=4, padding=1).layer()
+    model = nn.Sequential(layer, nn.ReLU(), layer)
+    x = torch.randn(2, 8, 6, 6)
+    want = model(x)
+    merged = tnspec.merge(model)
+    assert isinstance(merged[0], nn.Conv2d) and merged[0] is merged[2]
+    torch.testing.assert_close(merged(x), want, rtol=1e-4, atol=1e-5)
+
+
+def test_frozen_parameters_and_eval_mode_survive_tensorize_and_merge():
+    model = _cnn()
+    model[2].weight.requires_grad_(False)  # a frozen conv with a trainable bias
+    model[2].eval()
+    model[4].requires_grad_(False)  # a frozen classifier, in train mode
+    model, _ = tnspec.tensorize(model, "tucker2", rank=0.5, weights="fit", exclude="0")
+    conv, head = model[2], model[4]
+    assert not conv.training and head.training
+    assert all(not p.requires_grad for n, p in conv.named_parameters() if n != "bias")
+    assert conv.bias.requires_grad
+    assert not any(p.requires_grad for p in head.parameters())
+    model = tnspec.merge(model)
+    assert isinstance(model[2], nn.Conv2d) and not model[2].training and model[4].training
+    assert not model[2].weight.requires_grad and model[2].bias.requires_grad
+    assert not any(p.requires_grad for p in model[4].parameters())
+
+
+def test_transformer_feed_forward_layers_are_skipped_and_eval_still_runs():
+    torch.manual_seed(0)
+    model = nn.TransformerEncoder(nn.TransformerEncoderLayer(32, 4, 64, batch_first=True),
+                                  num_layers=1, enable_nested_tensor=False)
+    model, report = tnspec.tensorize(model, "tt", rank=0.5)
+    why = dict(report.skipped)
+    assert "TransformerEncoderLayer reads this layer's weight directly" in \
+        why["layers.0.linear1"]
+    model.eval()
+    with torch.no_grad():
+        assert model(torch.randn(2, 5, 32)).shape == (2, 5, 32)

@@ -13,7 +13,7 @@ layer), plan (contraction order, each step's op and axis split), lower (typed pr
 (Python source; ``lines`` breaks its lines), runtime (executes generated source: the one
 executor), report (``explain``), api (entry points) and cli (the ``tnspec`` command); around
 them: formats (named formats as spec text), decompose (a layer's dense weight, and fitting any
-network's cores to one), convert (``tensorize`` an existing model, ``merge`` back), audit
+network's cores to one), convert (``tensorize`` an existing model), dense (``merge`` back), audit
 (variance ratios of any model, layer by layer) and draw (the hypergraph as Graphviz DOT).
 """
 
@@ -24,7 +24,8 @@ from .api import compile, compile_all, contract, generate, layer
 from .audit import Audit, audit
 from .backward import backward
 from .calibration import Calibration, calibrate
-from .convert import merge, tensorize
+from .convert import tensorize
+from .dense import merge
 from .errors import SpecError
 from .ir import Conv, Index, Network, Options, Role, Tensor
 from .module import Layer

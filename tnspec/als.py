@@ -44,7 +44,6 @@ GRAM_FACTOR = 4
 _RIDGE = 1e-10  # relative to the Gram's mean diagonal: keeps gauge-redundant problems solvable
 
 
-
 def run(stds: Mapping[str, float], problems: Mapping[str, "Problem"], order: Sequence[str],
         whole, w: Tensor, cores: dict[str, Tensor], sweeps: int, tol: float,
         deadline: float = math.inf) -> tuple[float, dict[str, Tensor]]:
@@ -109,7 +108,7 @@ def hop(stds: Mapping[str, float], problems: Mapping[str, "Problem"], whole, w: 
             trial[n] = draw.to(w.device)
         order = chosen + [n for n in names if n not in chosen]
         trial_error, trial = run(stds, problems, order, whole, w, trial, sweeps, screen,
-                                  deadline)
+                                 deadline)
         idle = 0 if trial_error < 0.99 * error else idle + 1
         if trial_error < error:
             error, cores = trial_error, trial
@@ -151,8 +150,8 @@ class Problem:
                 return [i if i in keep else (i, "'") for i in term]
             out = self.shared + self.unknowns + [(i, "'") for i in self.unknowns]
             self.gram = expression(other_terms + [prime(t) for t in other_terms], out,
-                                    {**self.sizes, **{(i, "'"): s for i, s in self.sizes.items()}},
-                                    limit=budget)  # else its path's intermediates are too big
+                                   {**self.sizes, **{(i, "'"): s for i, s in self.sizes.items()}},
+                                   limit=budget)  # else its path's intermediates are too big
 
     def solve(self, w: Tensor, cores: dict[str, Tensor]) -> float:
         """Replace the core by its least-squares best; return the squared residual."""
@@ -189,7 +188,7 @@ class Problem:
 
 
 def expression(terms: list[list], out: list, sizes: Mapping, limit: float = math.inf
-                ) -> opt_einsum.contract.ContractExpression | None:
+               ) -> opt_einsum.contract.ContractExpression | None:
     """An opt_einsum expression for ``terms -> out`` with any hashable labels; None when its
     largest intermediate would exceed ``limit`` elements."""
     symbols: dict = {}

@@ -353,10 +353,9 @@ def _read() -> tuple[dict[str, Calibration], dict[str, dict[str, Any]]]:
 
 def _write(entries: dict[str, Calibration], choices: dict[str, dict[str, Any]]) -> None:
     path = cache_path()
-    data = {"format": FORMAT, "devices": {
-        k: {"model": asdict(c.model), "error": c.error, "seconds": c.seconds,
-            "samples": c.samples, "conditions": c.conditions} for k, c in entries.items()},
-        "choices": choices}
+    devices = {k: {"model": asdict(c.model), "error": c.error, "seconds": c.seconds,
+                   "samples": c.samples, "conditions": c.conditions} for k, c in entries.items()}
+    data = {"format": FORMAT, "devices": devices, "choices": choices}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         # written whole, then renamed: a reader never sees half a file

@@ -1,13 +1,12 @@
 """``tnspec.tensorize``: replace the ``nn.Conv1d/2d/3d`` and ``nn.Linear`` layers of an existing
 model by tensorial layers of a named format, either freshly initialized for the activation that
 follows them (Graph-in by default) or fitted to the trained weights they replace
-(``weights="fit"``); and ``tnspec.merge``, the way back to dense layers for deployment.
+(``weights="fit"``). ``tnspec.merge`` (``tnspec.dense``) is the way back.
 """
 
 from __future__ import annotations
 
 import fnmatch
-import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
@@ -17,9 +16,9 @@ from torch import nn
 from . import decompose, formats
 from .activations import following_activations
 from .api import _with_options, compile
+from .dense import set_submodule
 from .errors import SpecError
 from .module import Layer
-from .shapes import geometry
 
 Selector = str | Sequence[str] | Callable[[str, nn.Module], bool] | None
 _CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
@@ -143,6 +142,7 @@ def tensorize(model: nn.Module, format: str = "tucker2", *, rank: int | float = 
     before = sum(p.numel() for p in model.parameters())
     following = following_activations(model)
     tied = _tied(model)
+    fixed = _read_directly(model)
     replaced, skipped, kinds = [], [], []
     other: dict[str, int] = {}
     for name, module in list(model.named_modules()):
@@ -158,6 +158,9 @@ def tensorize(model: nn.Module, format: str = "tucker2", *, rank: int | float = 
         try:
             if name in tied:
                 raise SpecError(tied[name])
+            if name in fixed:
+                raise SpecError(fixed[name])
+            _check_forward(module)
             fit_error = None
             if error is not None:
                 new, fit_error = _smallest(module, format, init, act, options, error,
@@ -174,7 +177,8 @@ def tensorize(model: nn.Module, format: str = "tucker2", *, rank: int | float = 
         if weights == "fit" and not module.weight.detach().any():
             note = (f"the weight is all zero: cores at their Graph-in scale with "
                     f"{decompose.output_core(new.network)} zeroed, so that it still trains")
-        _set_submodule(model, name, new)
+        _keep_state(module, new)
+        set_submodule(model, name, new)
         replaced.append(Replacement(name, repr(module), new.spec,
                                     sum(p.numel() for p in module.parameters()),
                                     sum(p.numel() for p in new.parameters()), str(act), source,
@@ -200,6 +204,36 @@ def _tied(model: nn.Module) -> dict[str, str]:
                 tied[name] = (f"its parameters are shared with {others[0]!r} (tied weights); "
                               "left alone so that they stay tied")
     return tied
+
+
+def _check_forward(module: nn.Module) -> None:
+    """SpecError unless ``module`` computes what its base class does: a subclass that
+    overrides ``forward`` (a weight-standardized conv, a LoRA linear) is not its weight."""
+    base = next(b for b in (nn.Linear, *_CONVS) if isinstance(module, b))
+    for method in ("forward", "_conv_forward"):
+        if getattr(type(module), method, None) is not getattr(base, method, None):
+            raise SpecError(f"{type(module).__name__} overrides {method}: a layer of its weight "
+                            f"would not compute what it does")
+
+
+def _read_directly(model: nn.Module) -> dict[str, str]:
+    """``{layer name: why}`` for the layers whose weight their parent reads itself:
+    ``nn.TransformerEncoderLayer``/``DecoderLayer``'s feed-forward (their eval fast path)."""
+    found = {}
+    for name, module in model.named_modules():
+        if isinstance(module, (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)):
+            for child in ("linear1", "linear2"):
+                found[f"{name}.{child}" if name else child] = (
+                    f"{type(module).__name__} reads this layer's weight directly (its fast "
+                    "path in eval mode)")
+    return found
+
+
+def _keep_state(old: nn.Module, new: nn.Module) -> None:
+    """Carry train/eval mode and frozen parameters over to the module replacing ``old``."""
+    new.train(old.training)
+    for name, p in new.named_parameters():
+        p.requires_grad_((old.bias if name == "bias" else old.weight).requires_grad)
 
 
 def _replacement(module: nn.Module, format: str, rank: int | float, init: str,
@@ -299,52 +333,6 @@ def _smallest(module: nn.Module, format: str, init: str, activation: str | float
     return best, best_error
 
 
-def merge(model: nn.Module) -> nn.Module:
-    """Replace, in place, every conv-like or linear-like tnspec layer of ``model`` by the dense
-    ``nn.Conv1d/2d/3d`` or ``nn.Linear`` with its :meth:`~Layer.dense_weight` and bias (same
-    stride, padding, dilation, groups, dtype and device): for deployment where dense is
-    faster. Returns the model; a tnspec layer given as the model itself returns its dense
-    module. Layers of other networks stay, with a warning naming them.
-
-    >>> layer = formats.cp(16, 32, 3, rank=8, padding=1).layer()
-    >>> merge(layer)
-    Conv2d(16, 32, kernel_size=(3, 3), stride=(1, 1), padding=(1, 1))
-    """
-    kept = []
-    for name, module in list(model.named_modules()):
-        if not isinstance(module, Layer):
-            continue
-        if geometry(module.network) is None:
-            kept.append(name or "the model")
-            continue
-        dense = _dense(module)
-        if not name:
-            return dense
-        _set_submodule(model, name, dense)
-    if kept:
-        warnings.warn(f"merge kept {len(kept)} tnspec layer(s) that are neither conv-like nor "
-                      f"linear-like: {', '.join(kept[:4])}{', ...' if len(kept) > 4 else ''}",
-                      stacklevel=2)
-    return model
-
-
-def _dense(layer: Layer) -> nn.Module:
-    """The ``nn.ConvNd`` or ``nn.Linear`` computing what a conv/linear-like ``layer`` does."""
-    weight = layer.dense_weight().detach()
-    kind = dict(dtype=weight.dtype, device=weight.device, bias=layer.bias is not None)
-    if weight.dim() == 2:
-        dense: nn.Module = nn.Linear(layer.in_features, layer.out_features, **kind)
-    else:
-        conv = (nn.Conv1d, nn.Conv2d, nn.Conv3d)[weight.dim() - 3]
-        dense = conv(layer.in_channels, layer.out_channels, layer.kernel_size, layer.stride,
-                     layer.padding, layer.dilation, layer.groups, **kind)
-    with torch.no_grad():
-        dense.weight.copy_(weight)
-        if layer.bias is not None:
-            dense.bias.copy_(layer.bias.reshape(-1))
-    return dense
-
-
 def _selected(name: str, module: nn.Module, include: Selector, exclude: Selector) -> bool:
     def matches(selector: Selector) -> bool:
         if callable(selector):
@@ -353,8 +341,3 @@ def _selected(name: str, module: nn.Module, include: Selector, exclude: Selector
         return any(fnmatch.fnmatchcase(name, p) for p in patterns)
     return (include is None or matches(include)) and not (exclude is not None and
                                                           matches(exclude))
-
-
-def _set_submodule(model: nn.Module, name: str, new: nn.Module) -> None:
-    parent, _, child = name.rpartition(".")
-    setattr(model.get_submodule(parent) if parent else model, child, new)
