@@ -24,7 +24,6 @@ Selector = str | Sequence[str] | Callable[[str, nn.Module], bool] | None
 _CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 
 
-
 class TensorizedLinear(Layer):
     """A tnspec layer standing in for ``nn.Linear``: any number of leading dimensions."""
 

@@ -93,9 +93,9 @@ def fit(net: Network, weight: Tensor, *, max_iter: int = 200, tol: float = 1e-7,
     random, ``starts`` random starts are fitted and the best kept (ALS finds local minima;
     hyperedge formats such as block-term reach the global one from about half the starts);
     where they end more than 1% apart (or there was one), up to ``hops`` basin hops
-    (:func:`tnspec.als.hop`) try to leave the best one's minimum. ``max_seconds`` (None: no limit) bounds
-    the whole fit: sweeps, starts and hops stop once it is spent, and the best fit so far is
-    returned (the first start always runs at least one sweep)."""
+    (:func:`tnspec.als.hop`) try to leave the best one's minimum. ``max_seconds`` (None: no
+    limit) bounds the whole fit: sweeps, starts and hops stop once it is spent, and the best
+    fit so far is returned (the first start always runs at least one sweep)."""
     lay = layout(net)
     if tuple(weight.shape) != lay.shape:
         raise SpecError(f"the weight has shape {tuple(weight.shape)}, the layer's dense weight "

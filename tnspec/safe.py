@@ -97,9 +97,9 @@ def network(net: Any) -> None:
         _name(name, "derived size")
         _formula(formula)
     o = net.options
-    for value, allowed, what in ((o.init, INITS, "init"), (o.distribution, DISTRIBUTIONS,
-                                                               "distribution"),
-                                 (o.stride_count, STRIDE_COUNTS, "stride_count")):
+    choices = ((o.init, INITS, "init"), (o.distribution, DISTRIBUTIONS, "distribution"),
+               (o.stride_count, STRIDE_COUNTS, "stride_count"))
+    for value, allowed, what in choices:
         if value not in allowed:
             raise SpecError(f"unknown {what} {value!r}", hint=f"one of {', '.join(allowed)}")
     if isinstance(o.activation, str):
