@@ -44,7 +44,10 @@ def float64():
 
 @pytest.fixture
 def calibrated(tmp_path, monkeypatch):
-    """Calibration on, with an empty cache of its own; the process's memory forgotten."""
+    """Calibration on, with an empty cache of its own; the process's memory forgotten. Other
+    processes running beside the suite do not make the calibration fall back (a test of that
+    sets ``calibration.others_running`` itself)."""
+    monkeypatch.setattr(calibration, "others_running", lambda: 0)
     monkeypatch.setenv(calibration.ENV_SWITCH, "1")
     monkeypatch.setenv(calibration.ENV_DIR, str(tmp_path))
     calibration.forget()

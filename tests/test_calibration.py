@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -70,7 +71,9 @@ def test_opting_out_uses_the_built_in_constants_and_writes_nothing(tmp_path, mon
     '{"k": {"op": "bmm", "seconds": {}}}}', "[1, 2]"])
 def test_a_corrupt_cache_is_ignored_with_a_warning_and_rebuilt(calibrated, content):
     calibrated.write_text(content)
-    with pytest.warns(UserWarning, match="corrupt calibration cache .*measured again"):
+    with pytest.warns(UserWarning, match="(corrupt calibration cache|corrupt cached "
+                                         "calibration k|dropping the calibration cache "
+                                         "entry 'k').*measured again"):
         found = tnspec.calibrate()
     data = json.loads(calibrated.read_text())
     assert data["format"] == calibration.FORMAT and found.key in data["devices"]
@@ -316,6 +319,7 @@ def test_an_implausible_calibration_is_measured_again_then_not_kept(calibrated, 
     assert found.model == CostModel() and calibration.cost_model() == CostModel()
     assert found.conditions["attempts"] == 2 and found.conditions["doubts"]
     assert "repeats spread x3.00" in " ".join(found.conditions["doubts"])
+    assert found.conditions["others"] == 0
     assert not calibrated.exists()  # nothing kept: the next process measures again
     assert "not plausible" in found.describe() and "nothing was kept" in found.describe()
 
@@ -358,3 +362,100 @@ def test_a_first_call_that_times_logs_what_it_did(calibrated, caplog):
     assert "for input [4, 16, 8, 8]: first call took" in record.getMessage()
     assert "timed" in record.getMessage() or "recalled" in record.getMessage()
     assert record.levelname in ("DEBUG", "INFO")  # INFO past a second
+
+
+def test_as_many_other_running_threads_as_cpus_is_a_doubt(calibrated, monkeypatch):
+    monkeypatch.setattr(calibration, "others_running", lambda: 2 * (os.cpu_count() or 1))
+    with pytest.warns(UserWarning, match="other threads running on"):
+        found = tnspec.calibrate()
+    assert found.model == CostModel() and not calibrated.exists()
+    assert found.conditions["others"] == 2 * (os.cpu_count() or 1)
+
+
+def test_bad_cache_entries_are_dropped_one_by_one_and_layers_still_run(calibrated):
+    """A mixing step's entry holding an order, an order that is a list: each dropped with a
+    warning, the others kept, and every later forward of that shape still runs."""
+    tnspec.calibrate()
+    layer = tnspec.layer(TUCKER2, c=16, o=16, r0=2, r1=3, kh=3, kw=3)
+    x = torch.randn(4, 16, 8, 8)
+    y = layer(x)
+    data = json.loads(calibrated.read_text())
+    keys = list(data["choices"])
+    mixing = [k for k in keys if " | mixing " in k]
+    order = [k for k in keys if " | order of " in k]
+    assert mixing and order
+    data["choices"][mixing[0]] = {"order": "auto", "seconds": 1.0}
+    data["choices"][order[0]] = {**data["choices"][order[0]], "order": ["auto"]}
+    data["choices"]["cpu | float32 | torch 0 | mixing batch 1"] = {"op": "bmm", "seconds": 1}
+    calibrated.write_text(json.dumps(data))
+    calibration.forget()
+    with pytest.warns(UserWarning, match="dropping the calibration cache entry") as caught:
+        again = tnspec.layer(TUCKER2, c=16, o=16, r0=2, r1=3, kh=3, kw=3)
+        again.load_state_dict(layer.state_dict())
+        torch.testing.assert_close(again(x), y)
+    assert len([w for w in caught if "dropping" in str(w.message)]) == 3
+    assert calibration.cost_model() == tnspec.calibrate().model  # the device entry stayed
+
+
+def test_a_failed_cache_write_leaves_no_temporary_file(tmp_path, monkeypatch):
+    monkeypatch.setattr(calibration, "others_running", lambda: 0)
+    monkeypatch.setenv(calibration.ENV_SWITCH, "1")
+    monkeypatch.setenv(calibration.ENV_DIR, str(tmp_path))
+    (tmp_path / calibration.FILE_NAME).mkdir()  # a directory where the file should be
+    calibration.forget()
+    for _ in range(3):
+        with pytest.warns(UserWarning, match="cannot write the calibration cache"):
+            calibration.remember("cpu", torch.float32, "mixing batch 1, test", {
+                "op": "conv1x1", "seconds": {}})
+    assert sorted(p.name for p in tmp_path.iterdir()) == [calibration.FILE_NAME,
+                                                          calibration.FILE_NAME + ".lock"]
+    calibration.forget()
+
+
+def test_calibrate_merges_what_another_process_stored_meanwhile(calibrated, monkeypatch):
+    key = calibration.device_key("cpu", torch.float32) + " | mixing batch 8, other process"
+    real = measure.measure
+
+    def measure_while_another_process_writes(*args, **kwargs):
+        samples = real(*args, **kwargs)
+        data = json.loads(calibrated.read_text()) if calibrated.exists() else {
+            "format": calibration.FORMAT, "devices": {}, "choices": {}}
+        data["choices"][key] = {"op": "einsum", "seconds": {"conv1x1": 2.0, "einsum": 1.0}}
+        calibrated.write_text(json.dumps(data))
+        return samples
+    monkeypatch.setattr(calibration, "measure", measure_while_another_process_writes)
+    tnspec.calibrate(dtype=torch.float64)
+    stored = json.loads(calibrated.read_text())
+    assert key in stored["choices"]
+    assert calibration.device_key("cpu", torch.float64) in stored["devices"]
+
+
+def test_a_requested_planner_is_the_order_that_runs(calibrated, monkeypatch):
+    """planner= was ignored where the layer autotunes: the autotuner timed auto's candidates,
+    while layer.plan(shape).report() showed the requested order."""
+    tnspec.calibrate()
+    monkeypatch.setattr(tnspec.Layer, "_time", lambda *a, **k: pytest.fail("timed orders"))
+    layer = tnspec.layer(TUCKER2, c=16, o=16, r0=2, r1=3, kh=3, kw=3,
+                         planner="left-to-right")
+    x = torch.randn(4, 16, 8, 8)
+    layer(x)
+    shown = layer.plan(tuple(x.shape))
+    assert shown.planner == "left-to-right"
+    assert layer._last_class is runtime.layer_class(layer.network, shown)
+
+
+def test_the_plan_shown_is_the_order_the_autotuner_chose(calibrated, monkeypatch):
+    tnspec.calibrate()
+    monkeypatch.setattr(calibration, "time_mixing",
+                        lambda step, device, dtype, repeats: {"conv1x1": 1.0, "einsum": 2.0})
+
+    def second_is_fastest(self, classes, shape, repeats, channels_last=False):
+        return [1.0, 0.1] + [1.0] * (len(classes) - 2)
+    monkeypatch.setattr(tnspec.Layer, "_time", second_is_fastest)
+    layer = tnspec.layer(TUCKER2, c=16, o=16, r0=2, r1=3, kh=3, kw=3)
+    x = torch.randn(4, 16, 8, 8)
+    shown = layer.plan(tuple(x.shape))  # times now, as the first call would
+    layer(x)
+    model_order = layer._plan(tuple(x.shape))
+    assert [s.result for s in shown.steps] != [s.result for s in model_order.steps]
+    assert layer._last_class is runtime.layer_class(layer.network, shown)

@@ -22,11 +22,9 @@ the cache. Measuring uses its own random generator and gradients: the global RNG
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import os
 import platform
-import tempfile
 import time
 import warnings
 from dataclasses import asdict, dataclass, field, fields, replace
@@ -35,13 +33,12 @@ from typing import Any
 
 import torch
 
+from . import cache
 from .cost import Chooser, CostModel, Mixing
 from .measure import MAX_RATE, batch_class, fit, measure, time_mixing
 
-ENV_DIR = "TNSPEC_CACHE_DIR"
 ENV_SWITCH = "TNSPEC_CALIBRATE"
-FILE_NAME = "calibration.json"
-FORMAT = 2  # bumped when the measurement or the model changes; older entries are re-measured
+ENV_DIR, FILE_NAME, FORMAT = cache.ENV_DIR, cache.FILE_NAME, cache.FORMAT
 
 logger = logging.getLogger("tnspec")
 
@@ -84,11 +81,8 @@ def enabled() -> bool:
 
 
 def cache_path() -> Path:
-    """The JSON file of calibrations."""
-    if os.environ.get(ENV_DIR):
-        return Path(os.environ[ENV_DIR]) / FILE_NAME
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "tnspec" / FILE_NAME
+    """The JSON file of calibrations (see :mod:`tnspec.cache`)."""
+    return cache.path()
 
 
 def device_key(device: torch.device | str, dtype: torch.dtype) -> str:
@@ -145,7 +139,7 @@ def calibrate(device: torch.device | str = "cpu", dtype: torch.dtype = torch.flo
     absent; a new measurement is written to the cache."""
     global _choices
     key = device_key(device, dtype)
-    entries, choices = _read()
+    entries = _read()[0]
     if not refresh and key in entries:
         return entries[key]
     start = time.perf_counter()
@@ -179,12 +173,14 @@ def calibrate(device: torch.device | str = "cpu", dtype: torch.dtype = torch.flo
         _memory[key] = builtin
         return Calibration(key, builtin, error, seconds, len(samples), conditions)
     found = Calibration(key, model, error, seconds, len(samples), conditions)
-    entries[key] = found
-    if refresh:  # the device's measured choices go too
-        choices = {k: v for k, v in choices.items() if not k.startswith(key + " | ")}
-    _write(entries, choices)
+
+    def store(devices: cache.Devices, choices: cache.Choices) -> None:
+        devices[key] = _entry(found)
+        if refresh:  # the device's measured choices go too
+            for k in [k for k in choices if k.startswith(key + " | ")]:
+                del choices[k]
     _memory[key] = model
-    _choices = choices
+    _choices = cache.update(store)[1]
     return found
 
 
@@ -252,6 +248,7 @@ def forget() -> None:
     global _choices
     _memory.clear()
     _choices = None
+    cache.forget()
 
 
 def cached() -> list[Calibration]:
@@ -307,63 +304,35 @@ def remember(device: torch.device | str, dtype: torch.dtype, what: str,
              value: dict[str, Any]) -> None:
     """Keep a measured choice in the cache (merged with what other processes wrote)."""
     global _choices
-    entries, on_disk = _read()
-    _choices = {**on_disk, **(_choices or {}), f"{device_key(device, dtype)} | {what}": value}
-    _write(entries, _choices)
+    full = f"{device_key(device, dtype)} | {what}"
+    _choices = {**(_choices or {}), **cache.update(lambda d, c: c.__setitem__(full, value))[1]}
 
 
 def _read() -> tuple[dict[str, Calibration], dict[str, dict[str, Any]]]:
-    """The cache file's calibrations and measured choices (empty when absent or unreadable)."""
-    path = cache_path()
-    try:
-        text = path.read_text()
-    except (FileNotFoundError, NotADirectoryError):
-        return {}, {}
-    except OSError as exc:
-        warnings.warn(f"tnspec: cannot read the calibration cache {path} ({exc}); "
-                      "measuring again", stacklevel=3)
-        return {}, {}
-    try:
-        data = json.loads(text)
-        if data.get("format") != FORMAT:
-            return {}, {}  # an older tnspec's measurement: measured again
-        names = {f.name for f in fields(CostModel)}
-        entries = {}
-        for key, e in data["devices"].items():
+    """The cache's calibrations and measured choices: a malformed or implausible calibration
+    is left out with a warning (and measured again)."""
+    devices, choices = cache.read()
+    entries = {}
+    names = {f.name for f in fields(CostModel)}
+    for key, e in devices.items():
+        try:
             model = CostModel(**{k: float(v) for k, v in e["model"].items() if k in names})
-            entries[key] = Calibration(key, model, float(e["error"]), float(e["seconds"]),
-                                       int(e["samples"]), dict(e.get("conditions", {})))
-            dubious = doubts(model, float(e["error"]), 1.0, key.split(" ", 1)[0])
-            if dubious:  # kept by an older tnspec, or edited by hand: measured again
-                warnings.warn(f"tnspec: ignoring the cached calibration {key} "
-                              f"({'; '.join(dubious)}), not plausible; measuring again",
-                              stacklevel=3)
-                del entries[key]
-        choices = dict(data.get("choices", {}))
-        for key, c in choices.items():  # an op per mixing step, or an order per layer
-            if "order" not in c and c["op"] not in ("conv1x1", "einsum"):
-                raise ValueError(f"choice {key!r} names the unknown op {c['op']!r}")
-        return entries, choices
-    except (ValueError, TypeError, KeyError, AttributeError) as exc:
-        warnings.warn(f"tnspec: ignoring the corrupt calibration cache {path} "
-                      f"({type(exc).__name__}: {exc}); it is measured again and rewritten",
-                      stacklevel=3)
-        return {}, {}
+            found = Calibration(key, model, float(e["error"]), float(e["seconds"]),
+                                int(e["samples"]), dict(e.get("conditions", {})))
+        except (ValueError, TypeError, KeyError, AttributeError) as exc:
+            warnings.warn(f"tnspec: ignoring the corrupt cached calibration {key} "
+                          f"({type(exc).__name__}: {exc}); it is measured again", stacklevel=3)
+            continue
+        dubious = doubts(model, found.error, 1.0, key.split(" ", 1)[0])
+        if dubious:  # kept by an older tnspec, or edited by hand: measured again
+            warnings.warn(f"tnspec: ignoring the cached calibration {key} "
+                          f"({'; '.join(dubious)}), not plausible; measuring again",
+                          stacklevel=3)
+            continue
+        entries[key] = found
+    return entries, choices
 
 
-def _write(entries: dict[str, Calibration], choices: dict[str, dict[str, Any]]) -> None:
-    path = cache_path()
-    devices = {k: {"model": asdict(c.model), "error": c.error, "seconds": c.seconds,
-                   "samples": c.samples, "conditions": c.conditions} for k, c in entries.items()}
-    data = {"format": FORMAT, "devices": devices, "choices": choices}
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        # written whole, then renamed: a reader never sees half a file
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".calibration-", suffix=".tmp")
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=1)
-        os.replace(tmp, path)
-    except OSError as exc:
-        warnings.warn(f"tnspec: cannot write the calibration cache {path} ({exc}); the "
-                      f"calibration is kept for this process only (set {ENV_DIR} to a "
-                      "writable directory)", stacklevel=3)
+def _entry(c: Calibration) -> dict[str, Any]:
+    return {"model": asdict(c.model), "error": c.error, "seconds": c.seconds,
+            "samples": c.samples, "conditions": c.conditions}
