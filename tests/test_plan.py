@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import tnspec
-from tnspec import formats
+from tnspec import formats, paths
 from tnspec import problem as problem_module
 from tnspec.plan import PLANNERS, Problem, Split, plan
 from tnspec.shapes import bind_shape
@@ -160,3 +160,54 @@ def test_dense_first_builds_the_kernel_in_the_cheapest_order_among_cores():
     assert [s.data_side for s in p.steps] == [False] * 6 + [True]
     among_cores = sum(s.flops for s in p.steps if not s.data_side)
     assert among_cores < 20_000_000, among_cores
+
+
+def _chain(n: int) -> tuple[str, dict[str, int]]:
+    cores = ["A0[i, r1]"] + [f"A{k}[r{k}, r{k + 1}]" for k in range(1, n - 1)] + \
+        [f"A{n - 1}[r{n - 1}, o]"]
+    return "x[b, i], " + ", ".join(cores) + " -> y[b, o]", {f"r{k}": 3 for k in range(1, n)}
+
+
+@pytest.mark.parametrize("n", [15, 40])
+def test_a_long_chain_plans_without_the_exact_search(n, monkeypatch):
+    """Past DP_LIMIT operands auto's dense-first candidate ran the exact DP over the cores
+    anyway: 3^n-entry tables (a 15-core chain took about a minute and 4 GB; from about 40
+    cores numpy refused). Now no planner of auto's builds those tables."""
+    real = paths._splits
+
+    def guarded(k: int):
+        assert k <= paths.DP_LIMIT, f"an exact table over {k} operands"
+        return real(k)
+    monkeypatch.setattr(paths, "_splits", guarded)
+    spec, sizes = _chain(n)
+    layer = tnspec.layer(spec, i=8, o=8, autotune=False, sizes=sizes)
+    x = torch.randn(2, 8)
+    dense = layer.dense_weight().detach()
+    torch.testing.assert_close(layer(x), x @ dense.T + layer.bias, rtol=1e-4, atol=1e-5)
+    for name in ("dense-first", "greedy"):
+        assert len(layer.plan((2, 8)).steps) == n
+        tnspec.layer(spec, i=8, o=8, planner=name, autotune=False, sizes=sizes)(x)
+
+
+def test_an_explicit_exact_search_over_too_many_operands_is_refused():
+    spec, sizes = _chain(paths.DP_MAX)  # DP_MAX cores and the data
+    layer = tnspec.layer(spec, i=8, o=8, planner="dp", autotune=False, sizes=sizes)
+    with pytest.raises(tnspec.SpecError, match=r"planner 'dp' is an exact search over 3\^n "
+                                               r"merges: 15 operands are too many"):
+        layer(torch.randn(2, 8))
+
+
+def test_max_bytes_holds_for_every_batch_of_a_size_class():
+    """Batches within a factor of two share a plan; the byte guard ran only when a class was
+    first planned, so after a call at batch 200, batch 360 ran unchecked although a fresh
+    layer refuses it."""
+    limit = 1000 * 4 * 300  # 300 rows of float32
+    layer = tnspec.layer("x[b, i], W[i, o] -> y[b, o]", i=1000, o=1000, max_bytes=limit,
+                         autotune=False)
+    layer(torch.randn(200, 1000))
+    fresh = tnspec.layer("x[b, i], W[i, o] -> y[b, o]", i=1000, o=1000, max_bytes=limit,
+                         autotune=False)
+    for model in (fresh, layer):
+        with pytest.raises(tnspec.SpecError, match=r"360,000 elements at the batch b=360"):
+            model(torch.randn(360, 1000))
+    assert layer(torch.randn(250, 1000)).shape == (250, 1000)  # within the limit: runs

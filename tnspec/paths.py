@@ -43,6 +43,10 @@ def dynamic_programming(problem: Problem) -> Path:
     (3^n candidate merges, all priced in one vectorized call). Merges of groups that share
     no index are considered only when the network has no order without them."""
     n = len(problem.operands)
+    if n > DP_MAX:
+        raise SpecError(f"planner 'dp' is an exact search over 3^n merges: {n} operands are "
+                        f"too many (at most {DP_MAX})", hint="use planner='auto' (greedy "
+                        f"beyond {DP_LIMIT} operands) or 'greedy'")
     parts = _cheapest(problem, (1 << n) - 1)
     return _path(n, parts) if parts else []  # [] replays as "no path"
 
@@ -177,6 +181,12 @@ def dense_first(problem: Problem) -> Path:
     n = len(problem.operands)  # the data is operand 0
     if n == 2:
         return [(0, 1)]
+    if n > DP_LIMIT:  # too many for the exact search: greedy among the cores
+        plain = problem.plain_inputs()
+        kept = plain[0] | problem.plain_output()  # what the kernel carries on to the data
+        among = greedy(plain[1:], kept & set().union(*plain[1:]), problem.sizes)
+        # the data stays first and results go last in both lists: positions shift by one
+        return [(i + 1, j + 1) for i, j in among] + [(0, 1)]
     cores = (1 << n) - 2
     parts = _cheapest(problem, cores)
     if parts is None:  # left to right, each result going to the end of the list
@@ -191,8 +201,10 @@ def left_to_right(problem: Problem) -> Path:
     return [(0, 1)] + [(0, m - 1) for m in range(n - 1, 1, -1)]
 
 
-#: above this many operands the exact DP (3^n merges) gives way to the greedy search
+#: above this many operands the exact DP (3^n merges) gives way to the greedy search in auto
+#: and dense-first; an explicit planner="dp" is refused above DP_MAX (its tables take GBs)
 DP_LIMIT = 12
+DP_MAX = 14
 
 
 @register("auto")
