@@ -11,6 +11,7 @@ the class its last eager call ran.
 from __future__ import annotations
 
 import itertools
+import math
 import logging
 import time
 import weakref
@@ -20,14 +21,14 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-from . import calibration, decompose, runtime, safe
+from . import autotune, calibration, decompose, runtime, safe
 from .errors import SpecError
 from .ir import DEFAULT_MAX_BYTES, Network, Role
 from .lower import Program, bias_shape, lower
 from .measure import size_class
 from .plan import PLANNERS, Plan, plan
 from .settings import positive_limit
-from .shapes import bind_shape, example_shape, geometry, nn_attributes
+from .shapes import bind_shape, example_shape, geometry, guard_bytes, nn_attributes
 
 __all__ = ["Layer"]
 
@@ -85,7 +86,8 @@ class Layer(nn.Module):
         name = f"layer{next(_names)}"
         _TRACED[name] = self
         self.__dict__["_trace_name"] = name
-        self._classes: OrderedDict[tuple[int, ...], type] = OrderedDict()
+        self._classes: OrderedDict[tuple, type] = OrderedDict()
+        self._plans: dict[tuple, tuple[tuple[int, ...], Plan]] = {}  # each class's shape, plan
         self._last_class: type | None = None
         self._last_shape: torch.Size | None = None
         self._last_stride: tuple[int, ...] | None = None
@@ -93,8 +95,8 @@ class Layer(nn.Module):
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()  # generated classes are rebuilt, not pickled
-        for name in ("_classes", "_last_class", "_last_shape", "_last_stride", "_last_autocast",
-                     "_trace_name"):
+        for name in ("_classes", "_plans", "_last_class", "_last_shape", "_last_stride",
+                     "_last_autocast", "_trace_name"):
             del state[name]
         return state
 
@@ -108,9 +110,18 @@ class Layer(nn.Module):
         runtime.layer_class(self.network, None).reset_parameters(self)
 
     def plan(self, shape: Sequence[int]) -> Plan:
-        """The contraction plan for an input of ``shape`` (print ``.report()`` to see it)."""
-        return plan(bind_shape(self.network, tuple(shape)), self.planner,
-                    max_bytes=self.max_bytes, itemsize=self._itemsize(), **self._measured())
+        """The contraction plan a contiguous input of ``shape`` runs (print ``.report()`` to see
+        it): the ``planner``'s order, or, where the layer autotunes, the order timed fastest
+        (timed now if that shape was not run yet)."""
+        shape = tuple(int(n) for n in shape)
+        if self._tunes():
+            self._class(shape)
+            return self._plans[self._key(shape, False)][1]
+        return self._plan(shape)
+
+    def _plan(self, shape: tuple[int, ...]) -> Plan:
+        return plan(bind_shape(self.network, shape), self.planner, max_bytes=self.max_bytes,
+                    itemsize=self._itemsize(), **self._measured())
 
     def _where(self) -> tuple[torch.device, torch.dtype]:
         """The device the cores live on and the dtype the contraction runs in there: the
@@ -180,16 +191,24 @@ class Layer(nn.Module):
         two share a class (see :func:`~tnspec.measure.size_class`): any plan computes any
         shape, and a smaller last batch is not worth planning again. Under autocast the
         class is planned (and timed) for autocast's dtype, apart from the cores' own."""
-        where = self._where()
-        key = self._shape_key(shape) + (("channels_last",) if channels_last else ()) + \
-            ((str(where[1]),) if where[1] != next(self.parameters()).dtype else ())
+        key = self._key(shape, channels_last)
         classes = self._classes
         if key in classes:
             classes.move_to_end(key)
+            planned, the_plan = self._plans[key]
+            if shape != planned:  # another batch in the class: the size guard, at this batch
+                bound = bind_shape(self.network, shape)
+                guard_bytes(bound, [(str(s.result), math.prod(bound.sizes[i] for i in
+                                                              s.result.indices))
+                                    for s in the_plan.steps], self.max_bytes, self._itemsize())
             return classes[key]
         start = time.perf_counter()
-        cls, work = self._fastest(shape, channels_last) if self._tunes() else \
-            (self._planned(shape, channels_last), "planned, nothing timed")
+        if self._tunes():
+            cls, work, the_plan = self._fastest(shape, channels_last)
+        else:
+            the_plan, work = self._plan(shape), "planned, nothing timed"
+            cls = runtime.layer_class(self.network, the_plan, channels_last)
+        self._plans[key] = (shape, the_plan)
         spent = time.perf_counter() - start
         # a first call that blocks for seconds should not be silent (see the README, Speed)
         logger.log(logging.INFO if spent > 1.0 else logging.DEBUG,
@@ -198,21 +217,31 @@ class Layer(nn.Module):
                    "calibration cache, or autotune=False" if spent > 1.0 else "")
         classes[key] = cls
         while len(classes) > self.plan_cache_size:
-            classes.popitem(last=False)
+            self._plans.pop(classes.popitem(last=False)[0], None)
         return cls
+
+    def _key(self, shape: tuple[int, ...], channels_last: bool) -> tuple:
+        """What a class is planned and kept for: the shape's size class, the layout and, under
+        autocast, the dtype the contraction runs in."""
+        where = self._where()
+        return self._shape_key(shape) + (("channels_last",) if channels_last else ()) + \
+            ((str(where[1]),) if where[1] != next(self.parameters()).dtype else ())
 
     def _shape_key(self, shape: tuple[int, ...]) -> tuple[int, ...]:
         return (size_class(shape[0]), *shape[1:]) if self._batch_first and shape else shape
 
     def _tunes(self) -> bool:
-        """``autotune``, which by default (None) is on where calibration measures."""
+        """``autotune``, which by default (None) is on where calibration measures; never for a
+        planner other than ``auto``: the order asked for is the order that runs."""
+        if self.planner != "auto":
+            return False
         if self.autotune is not None:
             return self.autotune
         first = next(self.parameters(), None)
         return first is not None and calibration.measures(first.device)
 
     def _planned(self, shape: tuple[int, ...], channels_last: bool = False) -> type:
-        return runtime.layer_class(self.network, self.plan(shape), channels_last)
+        return runtime.layer_class(self.network, self._plan(shape), channels_last)
 
     def _compilable_class(self) -> type:
         """The class a ``torch.compile``-d call traces: the one the last eager call ran, or,
@@ -229,92 +258,16 @@ class Layer(nn.Module):
                         choose=lambda step: "conv1x1")
         return runtime.layer_class(self.network, the_plan)
 
-    def _fastest(self, shape: tuple[int, ...], channels_last: bool = False,
-                 repeats: int = 5) -> tuple[type, str]:
-        """The fastest distinct candidate order for ``shape``, timed forward and backward on
-        the cores' device, or recalled from the calibration cache where a process timed the
-        same candidates' code before (where another build of tnspec lowers them differently,
-        they are timed again). For a 2-D conv's input that is not channels-last, the model's
-        order run channels-last inside is a candidate too (``lower(..., convert=True)``). The
-        model's order stays unless another is measured at least
-        10% faster (``calibration.MARGIN``), in the first rounds and again in as many more
-        against the model's order alone; an order the cost model prices at more than
-        ``calibration.PRUNE`` times the cheapest is not timed. Timing uses its own random
-        generator and gradients, so that the global RNG, ``no_grad``, ``inference_mode`` and
-        frozen cores are left as they are. Returns the class and what was done, in words."""
-        bound = bind_shape(self.network, shape)
-        plans = []
-        for name in ("auto", "greedy", "dense-first", "left-to-right"):
-            try:
-                plans.append(plan(bound, name, max_bytes=self.max_bytes,
-                                  itemsize=self._itemsize(), **self._measured()))
-            except SpecError:
-                if name == "auto":
-                    raise  # the layer's own error for this shape
-        predicted = [sum(s.seconds for s in p.steps) for p in plans]
-        candidates: dict[str, type] = {}
-        for i, candidate in enumerate(plans):
-            if i and predicted[i] > calibration.PRUNE * min(predicted):
-                continue  # not worth timing (see PRUNE); the model's own order always is
-            key = repr(tuple((s.left.indices, s.right.indices, s.op) for s in candidate.steps))
-            if key not in candidates:
-                candidates[key] = runtime.layer_class(self.network, candidate,
-                                                      channels_last)
-        if self._image and not channels_last:
-            # the model's order run channels-last inside, the input and result converted
-            key = "channels-last inside, " + next(iter(candidates))
-            candidates[key] = runtime.layer_class(self.network, plans[0], convert=True)
-        if len(candidates) == 1:
-            return next(iter(candidates.values())), "one candidate order, nothing timed"
-        sizes = ", ".join(f"{k}={v}" for k, v in sorted(self.sizes.items()))
-        what = f"order of {self.spec} ({sizes}) for {list(self._shape_key(shape))}" + \
-            (" channels_last" if channels_last else "")
-        device, dtype = self._where()
-        kept = calibration.measures(device)
-        found = calibration.recall(device, dtype, what) if kept else None
-        code = runtime.fingerprint(*candidates.values())
-        if found is not None and found.get("order") in candidates and found.get("code") == code:
-            # timed among the very same code
-            return candidates[found["order"]], "order recalled from the calibration cache"
-        classes = list(candidates.values())
-        seconds = self._time(classes, shape, repeats, channels_last)
-        best = min(range(len(seconds)), key=seconds.__getitem__)
-        if best and seconds[best] < calibration.MARGIN * seconds[0]:
-            # a lead this size can be one unlucky stretch of rounds: it must hold in new ones
-            again = self._time([classes[0], classes[best]], shape, repeats, channels_last)
-            seconds[best] = max(seconds[best], again[1] * seconds[0] / again[0])
-        if seconds[best] >= calibration.MARGIN * seconds[0]:
-            best = 0  # the model's order, which `tnspec compile` writes, unless clearly slower
-        if kept:
-            calibration.remember(device, dtype, what, {
-                "order": list(candidates)[best], "code": code, "seconds": seconds[best]})
-        return classes[best], f"timed {len(classes)} candidate orders forward and backward"
+    def _fastest(self, shape: tuple[int, ...], channels_last: bool = False
+                 ) -> tuple[type, str, Plan]:
+        """The fastest candidate order's class for ``shape`` (see :func:`autotune.fastest`)."""
+        return autotune.fastest(self, shape, channels_last)
 
     def _time(self, classes: list[type], shape: tuple[int, ...], repeats: int,
               channels_last: bool = False) -> list[float]:
-        """Median seconds of each class's forward and backward on a random input of
-        ``shape`` (laid out channels-last if asked), in interleaved rounds."""
-        first = next(iter(self.parameters()))
-        gen = torch.Generator(device=first.device).manual_seed(0)
-        times: list[list[float]] = [[] for _ in classes]
-        with torch.inference_mode(False), torch.enable_grad():
-            x = torch.randn(shape, dtype=first.dtype, device=first.device, generator=gen)
-            if channels_last:
-                x = x.contiguous(memory_format=torch.channels_last)
-            x.requires_grad_(True)
-            inputs = [x] + [p for p in self.parameters() if p.requires_grad]
-            for n in range(repeats + 1):  # the first round warms up
-                for cls, spent in zip(classes, times):
-                    start = time.perf_counter()
-                    y = cls.forward(self, x)
-                    # a dense gradient in the output's layout, as the next layer gives
-                    grad = torch.ones_like(y)
-                    torch.autograd.grad(y, inputs, grad)
-                    if x.is_cuda:
-                        torch.cuda.synchronize()
-                    if n:
-                        spent.append(time.perf_counter() - start)
-        return [sorted(t)[len(t) // 2] for t in times]
+        """Median seconds of each class's forward and backward (see
+        :func:`autotune.time_orders`)."""
+        return autotune.time_orders(self, classes, shape, repeats, channels_last)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         try:  # free unless raised: a list fails on .shape, an array inside the generated code

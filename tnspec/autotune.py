@@ -1,0 +1,117 @@
+"""Autotuning: a layer's candidate contraction orders for one input shape, timed forward and
+backward on the cores' device, the fastest kept (and remembered in the calibration cache).
+
+Orders whose predicted costs are close are not told apart by any cost model, so where
+calibration is on a layer's first call for a shape times its distinct candidates (auto's,
+greedy's, dense-first's, left-to-right's; for a contiguous 2-D conv input also the model's
+order run channels-last inside) in interleaved rounds and runs the fastest. ``Layer`` calls
+these functions with itself; they read its network, sizes, cores and planning settings.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from . import calibration, runtime
+from .errors import SpecError
+from .plan import Plan, plan
+from .shapes import bind_shape
+
+
+def fastest(layer: Any, shape: tuple[int, ...], channels_last: bool = False,
+            repeats: int = 5) -> tuple[type, str, Plan]:
+    """The fastest distinct candidate order for ``shape``, timed forward and backward on
+    the cores' device, or recalled from the calibration cache where a process timed the
+    same candidates' code before (where another build of tnspec lowers them differently,
+    they are timed again). For a 2-D conv's input that is not channels-last, the model's
+    order run channels-last inside is a candidate too (``lower(..., convert=True)``). The
+    model's order stays unless another is measured at least 10% faster
+    (``calibration.MARGIN``), in the first rounds and again in as many more
+    against the model's order alone; an order the cost model prices at more than
+    ``calibration.PRUNE`` times the cheapest is not timed. Timing uses its own random
+    generator and gradients, so that the global RNG, ``no_grad``, ``inference_mode`` and
+    frozen cores are left as they are. Returns the class, what was done in words, and the
+    plan whose order it runs."""
+    bound = bind_shape(layer.network, shape)
+    plans = []
+    for name in ("auto", "greedy", "dense-first", "left-to-right"):
+        try:
+            plans.append(plan(bound, name, max_bytes=layer.max_bytes,
+                              itemsize=layer._itemsize(), **layer._measured()))
+        except SpecError:
+            if name == "auto":
+                raise  # the layer's own error for this shape
+    predicted = [sum(s.seconds for s in p.steps) for p in plans]
+    candidates: dict[str, type] = {}
+    plan_of: dict[str, Plan] = {}
+    for i, candidate in enumerate(plans):
+        if i and predicted[i] > calibration.PRUNE * min(predicted):
+            continue  # not worth timing (see PRUNE); the model's own order always is
+        key = repr(tuple((s.left.indices, s.right.indices, s.op) for s in candidate.steps))
+        if key not in candidates:
+            candidates[key] = runtime.layer_class(layer.network, candidate,
+                                                  channels_last)
+            plan_of[key] = candidate
+    if layer._image and not channels_last:
+        # the model's order run channels-last inside, the input and result converted
+        key = "channels-last inside, " + next(iter(candidates))
+        candidates[key] = runtime.layer_class(layer.network, plans[0], convert=True)
+        plan_of[key] = plans[0]
+    if len(candidates) == 1:
+        return next(iter(candidates.values())), "one candidate order, nothing timed", \
+            plans[0]
+    sizes = ", ".join(f"{k}={v}" for k, v in sorted(layer.sizes.items()))
+    what = f"order of {layer.spec} ({sizes}) for {list(layer._shape_key(shape))}" + \
+        (" channels_last" if channels_last else "")
+    device, dtype = layer._where()
+    kept = calibration.measures(device)
+    found = calibration.recall(device, dtype, what) if kept else None
+    code = runtime.fingerprint(*candidates.values())
+    if found is not None and found.get("order") in candidates and found.get("code") == code:
+        # timed among the very same code
+        return candidates[found["order"]], "order recalled from the calibration cache", \
+            plan_of[found["order"]]
+    classes = list(candidates.values())
+    seconds = layer._time(classes, shape, repeats, channels_last)
+    best = min(range(len(seconds)), key=seconds.__getitem__)
+    if best and seconds[best] < calibration.MARGIN * seconds[0]:
+        # a lead this size can be one unlucky stretch of rounds: it must hold in new ones
+        again = layer._time([classes[0], classes[best]], shape, repeats, channels_last)
+        seconds[best] = max(seconds[best], again[1] * seconds[0] / again[0])
+    if seconds[best] >= calibration.MARGIN * seconds[0]:
+        best = 0  # the model's order, which `tnspec compile` writes, unless clearly slower
+    if kept:
+        calibration.remember(device, dtype, what, {
+            "order": list(candidates)[best], "code": code, "seconds": seconds[best]})
+    return classes[best], f"timed {len(classes)} candidate orders forward and backward", \
+        plan_of[list(candidates)[best]]
+
+
+def time_orders(layer: Any, classes: list[type], shape: tuple[int, ...], repeats: int,
+                channels_last: bool = False) -> list[float]:
+    """Median seconds of each class's forward and backward on a random input of
+    ``shape`` (laid out channels-last if asked), in interleaved rounds."""
+    first = next(iter(layer.parameters()))
+    gen = torch.Generator(device=first.device).manual_seed(0)
+    times: list[list[float]] = [[] for _ in classes]
+    with torch.inference_mode(False), torch.enable_grad():
+        x = torch.randn(shape, dtype=first.dtype, device=first.device, generator=gen)
+        if channels_last:
+            x = x.contiguous(memory_format=torch.channels_last)
+        x.requires_grad_(True)
+        inputs = [x] + [p for p in layer.parameters() if p.requires_grad]
+        for n in range(repeats + 1):  # the first round warms up
+            for cls, spent in zip(classes, times):
+                start = time.perf_counter()
+                y = cls.forward(layer, x)
+                # a dense gradient in the output's layout, as the next layer gives
+                grad = torch.ones_like(y)
+                torch.autograd.grad(y, inputs, grad)
+                if x.is_cuda:
+                    torch.cuda.synchronize()
+                if n:
+                    spent.append(time.perf_counter() - start)
+    return [sorted(t)[len(t) // 2] for t in times]
