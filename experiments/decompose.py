@@ -3,12 +3,13 @@ Graph-in init and against the dense model, on scikit-learn's digits.
 
 A small CNN (conv 1->32, conv 32->64, 2x2 max-pool, conv 64->64, linear 1024->10, ReLUs) is
 trained dense (Adam, 15 epochs). Its three 32/64-channel layers and the classifier are then
-tensorized (the 1-channel stem stays dense) at 50% and 25% of their parameters, in Tucker-2 and
-in tensor-ring format, either fitted to the trained weights or freshly Graph-in initialized.
+tensorized (the 1-channel stem stays dense) at 50% and 25% of their parameters, in Tucker-2, CP,
+tensor-train and tensor-ring format, either fitted to the trained weights or freshly Graph-in
+initialized.
 Test accuracy right after the swap and after one epoch of fine-tuning (Adam, lr 1e-3), the dense
 model fine-tuned one more epoch as the reference; three seeds, mean (min-max).
 
-    python -m experiments.decompose            # about 2 minutes (plot: results/decompose.png)
+    python -m experiments.decompose            # about 8 minutes (plot: results/decompose.png)
 """
 
 from __future__ import annotations
