@@ -13,6 +13,7 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
+from torch import nn
 
 import tnspec
 from tnspec.api import generate
@@ -323,3 +324,17 @@ def test_model_to_channels_last_converts_around_a_5d_core(tmp_path, kind):
 def test_only_a_core_that_model_to_would_fail_on_gets_an_apply():
     assert "_apply" in generate(TEXT)  # HTK2's 5-D core
     assert "_apply" not in generate((EXAMPLES[0].parent / "tucker2.tn").read_text())  # 4-D
+
+
+def test_a_layer_on_the_meta_device_runs_as_nn_conv2d_does():
+    """Large models are built on ``meta`` before their weights are loaded: forward gives the
+    output's shape there, and ``to_empty`` + ``reset_parameters`` make a real layer."""
+    spec = "x[b, c, h+kh-1, w+kw-1], U[c, r0], G[r0, r1, kh, kw], V[r1, o] -> y[b, o, h, w]"
+    layer = tnspec.layer(spec, c=8, o=6, r0=2, r1=2, kh=3, kw=3, device="meta")
+    x = torch.empty(2, 8, 7, 7, device="meta")
+    y = layer(x)
+    assert y.device.type == "meta"
+    assert y.shape == nn.Conv2d(8, 6, 3, padding=1, device="meta")(x).shape
+    real = layer.to_empty(device="cpu")
+    real.reset_parameters()
+    assert real(torch.randn(2, 8, 7, 7)).shape == (2, 6, 7, 7)

@@ -311,9 +311,17 @@ _is_compiling = torch.compiler.is_compiling  # dynamo knows the function itself
 
 
 def _autocast(device_type: str) -> torch.dtype | None:
-    """Autocast's dtype where it is on for ``device_type``, else None."""
+    """Autocast's dtype where it is on for ``device_type``, else None (always for a device
+    autocast does not know, such as ``meta``)."""
+    if device_type not in _AUTOCAST_DEVICES:
+        return None
     return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) \
         else None
+
+
+#: the device types autocast can ask about (``meta``, where large models are built before
+#: their weights are loaded, makes torch raise)
+_AUTOCAST_DEVICES = frozenset({"cpu", "cuda", "xpu", "mps", "hpu", "xla", "mtia", "ipu"})
 
 
 #: the classes compiled layers trace, by the name of their generated source
