@@ -2,6 +2,8 @@
 
 import copy
 import doctest
+import io
+import sys
 
 import pytest
 import torch
@@ -437,3 +439,22 @@ def test_transformer_feed_forward_layers_are_skipped_and_eval_still_runs():
     model.eval()
     with torch.no_grad():
         assert model(torch.randn(2, 5, 32)).shape == (2, 5, 32)
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_tensorize_shows_a_line_per_layer_on_a_terminal_and_nothing_otherwise(monkeypatch,
+                                                                             capsys):
+    tnspec.tensorize(_cnn(), "tucker2", rank=0.5, weights="fit")
+    assert capsys.readouterr().err == ""  # not a terminal: silent
+    screen = _Terminal()
+    monkeypatch.setattr(sys, "stderr", screen)
+    tnspec.tensorize(_cnn(), "tucker2", rank=0.5, weights="fit", exclude="4")
+    lines = [line.strip("\r").replace("\x1b[K", "") for line in
+             screen.getvalue().split("\n") if line]
+    assert lines[0].startswith("tensorize: 0: Conv2d -> tucker2, fit error ")
+    assert lines[1].startswith("tensorize: 2: Conv2d -> tucker2, fit error ")
+    assert len(lines) == 2

@@ -7,6 +7,7 @@ follows them (Graph-in by default) or fitted to the trained weights they replace
 from __future__ import annotations
 
 import fnmatch
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
@@ -19,6 +20,7 @@ from .api import _with_options, compile
 from .dense import set_submodule
 from .errors import SpecError
 from .module import Layer
+from .progress import Progress
 
 Selector = str | Sequence[str] | Callable[[str, nn.Module], bool] | None
 _CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
@@ -144,6 +146,7 @@ def tensorize(model: nn.Module, format: str = "tucker2", *, rank: int | float = 
     fixed = _read_directly(model)
     replaced, skipped, kinds = [], [], []
     other: dict[str, int] = {}
+    progress = Progress("tensorize")  # a line per layer where a person watches
     for name, module in list(model.named_modules()):
         if not isinstance(module, (nn.Linear, *_CONVS)) or isinstance(module, Layer):
             if not isinstance(module, Layer) and \
@@ -171,6 +174,7 @@ def tensorize(model: nn.Module, format: str = "tucker2", *, rank: int | float = 
         except SpecError as exc:
             skipped.append((name, exc.message))
             kinds.append(type(module).__name__)
+            progress.line(f"{name}: skipped ({exc.message})")
             continue
         note = ""
         if weights == "fit" and not module.weight.detach().any():
@@ -182,6 +186,9 @@ def tensorize(model: nn.Module, format: str = "tucker2", *, rank: int | float = 
                                     sum(p.numel() for p in module.parameters()),
                                     sum(p.numel() for p in new.parameters()), str(act), source,
                                     fit_error, error, note))
+        progress.line(f"{name}: {type(module).__name__} -> {format}"
+                      + ("" if fit_error is None else f", fit error {fit_error:.4f}")
+                      + f" ({time.monotonic() - progress.start:.0f} s so far)")
     after = sum(p.numel() for p in model.parameters())
     return model, Report(format, tuple(replaced), tuple(skipped), before, after, tuple(kinds),
                          tuple(sorted(other.items())))

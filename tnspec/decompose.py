@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from . import als
+from .progress import Progress
 from .errors import SpecError
 from .init import core_inits
 from .ir import Network, Role
@@ -122,9 +123,11 @@ def fit(net: Network, weight: Tensor, *, max_iter: int = 200, tol: float = 1e-7,
     whole = als.expression([list(ix) for ix in labels.values()], list(lay.target), sizes)
     best: tuple[float, dict[str, Tensor]] = (math.inf, {})
     ends = []
+    progress = Progress(f"fit {net.name or 'layer'} ({len(labels)} cores)")
     for seed in range(starts):
         if seed and time.monotonic() > deadline:
             break
+        progress.update(f"start {seed + 1}/{starts}, best error {best[0]:.4g}")
         cores, seeded = als.start(net, w, problems, stds, seed)
         order = [n for n in labels if n not in seeded] + [n for n in labels if n in seeded]
         run = als.run(stds, problems, order, whole, w, cores, max_iter, tol, deadline)
@@ -136,7 +139,9 @@ def fit(net: Network, weight: Tensor, *, max_iter: int = 200, tol: float = 1e-7,
         # starts that all end within 1% of each other found one minimum (a chain, a ring):
         # hops would only spend time; where they disagree, or there was one start, hop
         if hops and (len(ends) == 1 or max(ends) > 1.01 * min(ends)):
+            progress.update(f"basin hops from error {best[0]:.4g}")
             best = als.hop(stds, problems, whole, w, best, hops, max_iter, tol, deadline)
+    progress.close()
     spent = time.monotonic() - began
     if time.monotonic() > deadline:
         logger.info("fit of %s stopped by max_seconds=%g after %.1f s at relative error %.4g",
