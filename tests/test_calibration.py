@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import tnspec
-from tnspec import calibration, measure, runtime
+from tnspec import cache, calibration, measure, runtime
 from tnspec.cost import CostModel, Mixing
 from tnspec.plan import plan
 from tnspec.shapes import bind_shape
@@ -459,3 +459,51 @@ def test_the_plan_shown_is_the_order_the_autotuner_chose(calibrated, monkeypatch
     model_order = layer._plan(tuple(x.shape))
     assert [s.result for s in shown.steps] != [s.result for s in model_order.steps]
     assert layer._last_class is runtime.layer_class(layer.network, shown)
+
+
+def test_spatial_sizes_share_plans_and_timings_by_size_class(calibrated, monkeypatch):
+    """Thirty image sizes took 30 rounds of timing (321 s for a 64-channel Tucker-2); sizes
+    within a factor of two now share a class, as batch sizes do."""
+    tnspec.calibrate()
+    mixing = []
+    monkeypatch.setattr(calibration, "time_mixing", lambda step, device, dtype, repeats: (
+        mixing.append(step.spatial) or {"conv1x1": 1.0, "einsum": 2.0}))
+    timed = []
+    monkeypatch.setattr(tnspec.Layer, "_time", lambda self, classes, shape, repeats,
+                        channels_last=False: timed.append(shape) or [1.0] * len(classes))
+    layer = tnspec.layer(TUCKER2, c=8, o=8, r0=2, r1=3, kh=3, kw=3)
+    reference = tnspec.layer(TUCKER2, c=8, o=8, r0=2, r1=3, kh=3, kw=3, autotune=False)
+    reference.load_state_dict(layer.state_dict())
+    for side in range(12, 42):  # classes 16 (12-22) and 32 (23-45)
+        x = torch.randn(2, 8, side, side)
+        torch.testing.assert_close(layer(x), reference(x))
+    assert len(timed) == 2 and len(layer._classes) == 2
+    assert {s for s in mixing} <= {(16, 16), (32, 32), (14, 14), (30, 30)} and len(mixing) <= 4
+    orders = [k for k in json.loads(calibrated.read_text())["choices"] if "order of" in k]
+    assert len(orders) == 2
+
+
+def test_autotuning_stops_past_its_time_budget(calibrated, monkeypatch, caplog):
+    tnspec.calibrate()
+    monkeypatch.setattr(calibration, "time_mixing",
+                        lambda step, device, dtype, repeats: {"conv1x1": 1.0, "einsum": 2.0})
+    timed = []
+    monkeypatch.setattr(tnspec.Layer, "_time", lambda self, classes, shape, repeats,
+                        channels_last=False: timed.append(shape) or [1.0] * len(classes))
+    layer = tnspec.layer(TUCKER2, c=8, o=8, r0=2, r1=3, kh=3, kw=3)
+    layer.autotune_seconds = 1e-9  # spent by the first timing
+    with caplog.at_level("INFO", logger="tnspec"):
+        layer(torch.randn(2, 8, 16, 16))
+        layer(torch.randn(2, 8, 32, 32))  # another class: planned by the model alone
+    assert len(timed) == 1
+    assert any("past autotune_seconds=1e-09" in r.getMessage() for r in caplog.records)
+    assert layer.plan((2, 8, 32, 32)).planner == "auto"
+
+
+def test_the_cache_keeps_at_most_max_choices_the_newest(calibrated, monkeypatch):
+    monkeypatch.setattr(cache, "MAX_CHOICES", 5)
+    for n in range(8):
+        calibration.remember("cpu", torch.float32, f"mixing batch {n}, test",
+                             {"op": "conv1x1", "seconds": {}})
+    kept = list(json.loads(calibrated.read_text())["choices"])
+    assert [k.rsplit("batch ", 1)[1] for k in kept] == [f"{n}, test" for n in range(3, 8)]

@@ -55,7 +55,8 @@ def test_stages_import_only_what_lies_above_them():
     assert graph["plan"] <= {"ir", "errors", "cost", "shapes", "problem", "paths"}  # no Lark
     assert graph["shapes"] <= {"ir", "errors"}
     assert graph["measure"] <= {"cost"}
-    assert graph["calibration"] <= {"cost", "measure"}
+    assert graph["calibration"] <= {"cache", "cost", "measure", "progress"}
+    assert graph["cache"] == set()  # the file alone: no model, no torch
     assert "__init__" not in set().union(*(d for m, d in graph.items() if m != "__main__"))
 
 

@@ -11,7 +11,8 @@ ranks, a second job), so:
   file beside it, where the platform has it), so that what another process stored in the
   meantime is merged, not overwritten;
 - the file is written whole to a temporary file and renamed over it, and the temporary file
-  is removed when that fails (a full disk, a directory in the way).
+  is removed when that fails (a full disk, a directory in the way);
+- it keeps at most ``MAX_CHOICES`` choices, the oldest written dropped first.
 """
 
 from __future__ import annotations
@@ -27,6 +28,9 @@ from typing import Any, Callable, Iterator
 ENV_DIR = "TNSPEC_CACHE_DIR"
 FILE_NAME = "calibration.json"
 FORMAT = 2  # bumped when the measurement or the model changes; older entries are re-measured
+#: the most measured choices kept; the oldest written go first (a layer that sees many shapes,
+#: or many layers over months, would otherwise grow the file without end)
+MAX_CHOICES = 4096
 
 Devices = dict[str, dict[str, Any]]
 Choices = dict[str, dict[str, Any]]
@@ -112,6 +116,8 @@ def update(change: Callable[[Devices, Choices], None]) -> tuple[Devices, Choices
     with _locked(where):
         devices, choices = read()
         change(devices, choices)
+        for key in list(choices)[:max(len(choices) - MAX_CHOICES, 0)]:
+            del choices[key]
         _write(where, {"format": FORMAT, "devices": devices, "choices": choices})
     return devices, choices
 

@@ -35,7 +35,8 @@ import torch
 
 from . import cache
 from .cost import Chooser, CostModel, Mixing
-from .measure import MAX_RATE, batch_class, fit, measure, time_mixing
+from .measure import MAX_RATE, batch_class, fit, measure, size_class, time_mixing
+from .progress import Progress
 
 ENV_SWITCH = "TNSPEC_CALIBRATE"
 ENV_DIR, FILE_NAME, FORMAT = cache.ENV_DIR, cache.FILE_NAME, cache.FORMAT
@@ -143,7 +144,9 @@ def calibrate(device: torch.device | str = "cpu", dtype: torch.dtype = torch.flo
     if not refresh and key in entries:
         return entries[key]
     start = time.perf_counter()
+    progress = Progress(f"calibrating {key}")
     for attempt in (1, 2):  # a fit taken while the machine was busy is measured once more
+        progress.update(f"attempt {attempt} of 2")
         load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
         before = others_running()
         samples = measure(device, dtype)
@@ -158,6 +161,7 @@ def calibrate(device: torch.device | str = "cpu", dtype: torch.dtype = torch.flo
             break
         logger.info("calibration of %s, attempt %d, is not plausible (%s)", key, attempt,
                     "; ".join(found_doubts))
+    progress.close()
     conditions = {"load": load, "cpus": os.cpu_count(), "others": others,
                   "spread": round(spread, 3),
                   "attempts": attempt, "doubts": found_doubts}
@@ -276,6 +280,9 @@ def chooser(device: torch.device | str = "cpu",
         return None
 
     def choose(step: Mixing) -> str:
+        # timed and kept per size class: spatial sizes too (a layer that sees many image
+        # sizes times each class once)
+        step = replace(step, spatial=tuple(size_class(n) for n in step.spatial))
         batch = batch_class(step)
         what = (f"mixing batch {batch}, groups {step.groups}, {step.inputs} -> {step.outputs} "
                 f"over {'x'.join(map(str, step.spatial))}")

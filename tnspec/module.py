@@ -40,11 +40,14 @@ class Layer(nn.Module):
 
     Attributes: ``spec`` (the canonical expression), ``sizes`` (every bound index size),
     ``network`` (the IR). ``forward`` runs the generated code of the plan for the input's shape
-    (planned once per shape, batch sizes within a factor of two sharing a plan; the last
-    ``plan_cache_size`` are kept, settable per layer); :meth:`source` shows that code.
+    (planned once per size class: batch and spatial sizes within a factor of two share a plan;
+    the last ``plan_cache_size`` are kept, settable per layer); :meth:`source` shows that code.
+    Autotuning spends at most ``autotune_seconds`` per layer timing orders (settable per
+    layer); past it, new size classes are planned by the cost model alone.
     """
 
     plan_cache_size = 64
+    autotune_seconds = 10.0
 
     def __init__(self, network: Network, *, dtype: torch.dtype | None = None,
                  device: torch.device | str | None = None, planner: str = "auto",
@@ -75,6 +78,8 @@ class Layer(nn.Module):
         axes = network.input.axes
         self._batch_first = bool(axes) and all(network.index(i).role is Role.BATCH
                                                for i in axes[0])
+        self._spatial = tuple(k for k, axis in enumerate(axes)  # input axes a conv slides on
+                              if any(network.index(i).role is Role.SPATIAL_IN for i in axis))
         if geo is not None:  # in_channels, kernel_size, ... as nn.Conv2d / nn.Linear have
             self.__dict__.update(nn_attributes(geo, self.sizes.__getitem__))
         self._drop_code()
@@ -92,6 +97,7 @@ class Layer(nn.Module):
         self._last_shape: torch.Size | None = None
         self._last_stride: tuple[int, ...] | None = None
         self._last_autocast: torch.dtype | None = None
+        self.__dict__.setdefault("_tuning_spent", 0.0)  # seconds spent timing orders
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()  # generated classes are rebuilt, not pickled
@@ -114,10 +120,10 @@ class Layer(nn.Module):
         it): the ``planner``'s order, or, where the layer autotunes, the order timed fastest
         (timed now if that shape was not run yet)."""
         shape = tuple(int(n) for n in shape)
-        if self._tunes():
+        key = self._key(shape, False)
+        if key not in self._plans and self._tunes():
             self._class(shape)
-            return self._plans[self._key(shape, False)][1]
-        return self._plan(shape)
+        return self._plans[key][1] if key in self._plans else self._plan(shape)
 
     def _plan(self, shape: tuple[int, ...]) -> Plan:
         return plan(bind_shape(self.network, shape), self.planner, max_bytes=self.max_bytes,
@@ -196,7 +202,7 @@ class Layer(nn.Module):
         if key in classes:
             classes.move_to_end(key)
             planned, the_plan = self._plans[key]
-            if shape != planned:  # another batch in the class: the size guard, at this batch
+            if shape != planned:  # another size in the class: the size guard, at this size
                 bound = bind_shape(self.network, shape)
                 guard_bytes(bound, [(str(s.result), math.prod(bound.sizes[i] for i in
                                                               s.result.indices))
@@ -205,6 +211,11 @@ class Layer(nn.Module):
         start = time.perf_counter()
         if self._tunes():
             cls, work, the_plan = self._fastest(shape, channels_last)
+            self._tuning_spent += time.perf_counter() - start
+            if self._tuning_spent >= self.autotune_seconds:
+                logger.info("%s: %.1f s spent timing orders, past autotune_seconds=%g: new "
+                            "size classes are planned by the cost model alone", self.spec,
+                            self._tuning_spent, self.autotune_seconds)
         else:
             the_plan, work = self._plan(shape), "planned, nothing timed"
             cls = runtime.layer_class(self.network, the_plan, channels_last)
@@ -228,12 +239,15 @@ class Layer(nn.Module):
             ((str(where[1]),) if where[1] != next(self.parameters()).dtype else ())
 
     def _shape_key(self, shape: tuple[int, ...]) -> tuple[int, ...]:
-        return (size_class(shape[0]), *shape[1:]) if self._batch_first and shape else shape
+        """The shape's size class: batch and spatial sizes to the nearest power of two."""
+        classed = {0} if self._batch_first else set()
+        classed |= {k + len(shape) - len(self.network.input.axes) for k in self._spatial}
+        return tuple(size_class(n) if k in classed else n for k, n in enumerate(shape))
 
     def _tunes(self) -> bool:
         """``autotune``, which by default (None) is on where calibration measures; never for a
         planner other than ``auto``: the order asked for is the order that runs."""
-        if self.planner != "auto":
+        if self.planner != "auto" or self._tuning_spent >= self.autotune_seconds:
             return False
         if self.autotune is not None:
             return self.autotune
