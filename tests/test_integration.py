@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import json
 import pickle
 import socket
 import subprocess
@@ -18,7 +19,7 @@ from torch import nn
 import tnspec
 from tnspec.api import generate
 
-from . import ddp_worker
+from . import ddp_worker, fsdp_worker
 from .conftest import EXAMPLES, ROOT
 
 TEXT = (EXAMPLES[0].parent / "htk2.tn").read_text()
@@ -338,3 +339,34 @@ def test_a_layer_on_the_meta_device_runs_as_nn_conv2d_does():
     real = layer.to_empty(device="cpu")
     real.reset_parameters()
     assert real(torch.randn(2, 8, 7, 7)).shape == (2, 6, 7, 7)
+
+
+@pytest.mark.parametrize("how", ["fsdp", "ddp"])
+def test_training_under_fsdp2_and_ddp_matches_one_process_and_reloads(tmp_path, how):
+    """Two ranks (gloo, CPU) train a tensorized model three steps under FSDP2's fully_shard
+    (each tnspec layer its own unit) or DDP, on halves of one batch: the global losses are
+    the single-process run's, and the model saved and loaded with torch.distributed.checkpoint
+    gives the same loss again."""
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("this torch build has no gloo backend")
+    if how == "fsdp" and importlib.util.find_spec("torch.distributed.fsdp") is None:
+        pytest.skip("this torch build has no FSDP")
+    if (reason := loopback_refusal()) is not None:
+        pytest.skip(reason)
+    ranks = [subprocess.Popen([sys.executable, "-m", "tests.fsdp_worker", str(tmp_path),
+                               str(rank), "2", how], cwd=ROOT, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for rank in range(2)]
+    logs = []
+    for process in ranks:
+        try:
+            logs.append(process.communicate(timeout=fsdp_worker.HANG_S + 60)[0])
+        except subprocess.TimeoutExpired:
+            for p in ranks:
+                p.kill()
+            logs.append(process.communicate()[0])
+    assert [p.returncode for p in ranks] == [0, 0], "\n".join(logs)
+    found = json.loads((tmp_path / "losses.json").read_text())
+    want = fsdp_worker.single_process_losses()
+    assert found["losses"] == pytest.approx(want, rel=1e-5)
+    assert found["losses"][-1] < found["losses"][0]  # it trained
+    assert found["reloaded"] == pytest.approx(found["losses"][-1], rel=1e-6)
