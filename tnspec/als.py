@@ -57,9 +57,12 @@ def run(stds: Mapping[str, float], problems: Mapping[str, "Problem"], order: Seq
     for sweep in range(1, sweeps + 1):
         before = dict(cores)
         for name in order:
-            residual2 = problems[name].solve(w, cores)  # the error of the cores as they are
-            if time.monotonic() > deadline:  # one core's solve can take a minute (Odd, 256)
-                break
+            residual2 = problems[name].solve(w, cores, deadline)  # the cores' error now
+            if time.monotonic() > deadline:  # one core's solve can take minutes (Odd, 256)
+                # cut short, the solve may not be a least-squares optimum: its residual
+                # formula does not hold, so the error is computed from the cores
+                _balance(stds, cores)
+                return error_of(cores), cores
         error = math.sqrt(max(residual2, 0.0)) / norm
         if last is not None and sweep > 2:  # jump along the last sweep's direction
             jump = sweep ** (1 / 3)
@@ -155,8 +158,9 @@ class Problem:
                                    {**self.sizes, **{(i, "'"): s for i, s in self.sizes.items()}},
                                    limit=budget)  # else its path's intermediates are too big
 
-    def solve(self, w: Tensor, cores: dict[str, Tensor]) -> float:
-        """Replace the core by its least-squares best; return the squared residual."""
+    def solve(self, w: Tensor, cores: dict[str, Tensor], deadline: float = math.inf) -> float:
+        """Replace the core by its least-squares best; return the squared residual (past
+        ``deadline``, conjugate gradients stop early: a better core, not the best)."""
         others = [cores[n] for n in self.others] + [t.to(w.device) for t in self.ones]
         b = self.rhs(w, *others)
         m = self.n_unknowns
@@ -168,17 +172,20 @@ class Problem:
             rows = b.reshape(g.shape[0], -1, m).transpose(1, 2)  # (shared, unknowns, free)
             c = torch.linalg.solve(g, rows).transpose(1, 2).reshape(b.shape)
         else:
-            c = self._cg(b, current, others)
+            c = self._cg(b, current, others, deadline=deadline)
         cores[self.name] = c.permute([self.order.index(i) for i in self.own]).contiguous()
         return float((w * w).sum() - (b * c).sum())
 
-    def _cg(self, b: Tensor, x: Tensor, others: list[Tensor], steps: int = 50) -> Tensor:
+    def _cg(self, b: Tensor, x: Tensor, others: list[Tensor], steps: int = 50,
+            deadline: float = math.inf) -> Tensor:
         """Conjugate gradients on ``G c = B`` with ``G c`` computed through the network."""
         def gram_times(c: Tensor) -> Tensor:
             return self.rhs(self.network(*others, c), *others)
         r = b - gram_times(x)
         p, rr = r, (r * r).sum()
-        for _ in range(steps):
+        for _ in range(steps):  # a step of a large network's CG can take seconds
+            if time.monotonic() > deadline:
+                break
             if rr <= 1e-28 * (b * b).sum():
                 break
             gp = gram_times(p)
