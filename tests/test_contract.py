@@ -54,3 +54,9 @@ def test_contract_errors_say_which_core():
     with pytest.raises(tnspec.SpecError, match="index 'r' has size 2 in one core and 3 in 'B'"):
         tnspec.contract("x[b, i], A[i, r], B[r, o] -> y[b, o]", x,
                         {"A": torch.ones(4, 2), "B": torch.ones(3, 5)})
+
+
+def test_cores_that_are_not_tensors_get_a_clear_error():
+    with pytest.raises(TypeError, match=r"contract: cores\['W'\] is a list, not a "
+                                        r"torch.Tensor; convert it with torch.as_tensor"):
+        tnspec.contract("x[b, i], W[i, o] -> y[b, o]", torch.ones(2, 4), {"W": [[1.0] * 3] * 4})

@@ -191,6 +191,10 @@ def contract(spec: str | Network, x: torch.Tensor, /, cores: Mapping[str, torch.
         raise TypeError(f"contract takes a torch.Tensor, not {type(x).__name__}; convert it "
                         "with torch.as_tensor(x)")
     cores = dict(cores or {})
+    for name, value in cores.items():
+        if not (isinstance(value, torch.Tensor) or (name == "bias" and value is None)):
+            raise TypeError(f"contract: cores[{name!r}] is a {type(value).__name__}, not a "
+                            "torch.Tensor; convert it with torch.as_tensor")
     bias = cores.pop("bias", None)
     if isinstance(spec, Network):
         safe.network(spec)  # public dataclasses: a Network may be built by hand
