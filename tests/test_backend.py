@@ -175,8 +175,7 @@ def test_autotune_keeps_a_correct_candidate():
     module = tnspec.layer(text, autotune=True, **sizes)
     x = torch.randn(2, *shape)
     compare(module, x)
-    key = (tnspec.measure.size_class(x.shape[0]), *x.shape[1:])
-    assert key in module._classes  # timed once, then cached
+    assert module._shape_key(tuple(x.shape)) in module._classes  # timed once, then cached
 
 
 @pytest.mark.parametrize("leads, keeps_model",
@@ -260,10 +259,12 @@ def test_a_new_batch_size_in_the_same_class_is_not_planned_again_and_the_cache_i
     compare(module, torch.randn(2, *shape))
     assert len(planned) == 2
     module.plan_cache_size = 3
-    for side in range(5, 10):  # new spatial sizes are new plans, the oldest dropped
+    for side in (3, 6, 12, 24, 48):  # new spatial size classes are new plans, oldest dropped
         module(torch.randn(2, shape[0], side, side))
     assert len(module._classes) == 3
-    assert list(module._classes)[-1] == (2, shape[0], 9, 9)
+    assert list(module._classes)[-1] == (2, shape[0], 64, 64)
+    compare(module, torch.randn(2, shape[0], 50, 47))  # the same class: not planned again
+    assert len(module._classes) == 3 and list(module._classes)[-1] == (2, shape[0], 64, 64)
 
 
 @pytest.mark.parametrize("context", ["plain", "no_grad", "inference_mode", "frozen"])

@@ -261,6 +261,23 @@ def loopback_refusal() -> str | None:
     return None
 
 
+def _two_ranks(worker: str, folder, hang_s: int, *args: str) -> None:
+    """Run ``python -m worker folder rank 2 *args`` for ranks 0 and 1; fail with both logs
+    unless both exit 0 (a rank that hangs dumps its stack after ``hang_s``)."""
+    ranks = [subprocess.Popen([sys.executable, "-m", worker, str(folder), str(rank), "2", *args],
+                              cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True) for rank in range(2)]
+    logs = []
+    for process in ranks:
+        try:
+            logs.append(process.communicate(timeout=hang_s + 60)[0])
+        except subprocess.TimeoutExpired:
+            for p in ranks:
+                p.kill()
+            logs.append(process.communicate()[0])
+    assert [p.returncode for p in ranks] == [0, 0], "\n".join(logs)
+
+
 def test_distributed_data_parallel_keeps_ranks_identical(tmp_path):
     """Two processes (gloo) each take one step on their own batch; each rank is a fresh
     interpreter, so that nothing this test process has loaded (compilers, exporters) is
@@ -269,19 +286,7 @@ def test_distributed_data_parallel_keeps_ranks_identical(tmp_path):
         pytest.skip("this torch build has no gloo backend")
     if (reason := loopback_refusal()) is not None:
         pytest.skip(reason)
-    ranks = [subprocess.Popen([sys.executable, "-m", "tests.ddp_worker", str(tmp_path),
-                               str(rank), "2"], cwd=ROOT, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for rank in range(2)]
-    logs = []
-    for process in ranks:
-        try:
-            logs.append(process.communicate(timeout=ddp_worker.HANG_S + 60)[0])
-        except subprocess.TimeoutExpired:
-            for p in ranks:
-                p.kill()
-            logs.append(process.communicate()[0])
-    report = "\n".join(logs)
-    assert [p.returncode for p in ranks] == [0, 0], report
+    _two_ranks("tests.ddp_worker", tmp_path, ddp_worker.HANG_S)
     a, b = (torch.load(tmp_path / f"{rank}.pt") for rank in range(2))
     before = torch.load(tmp_path / "init.pt")
     assert a.keys() == b.keys() == before.keys()
@@ -353,18 +358,7 @@ def test_training_under_fsdp2_and_ddp_matches_one_process_and_reloads(tmp_path, 
         pytest.skip("this torch build has no FSDP")
     if (reason := loopback_refusal()) is not None:
         pytest.skip(reason)
-    ranks = [subprocess.Popen([sys.executable, "-m", "tests.fsdp_worker", str(tmp_path),
-                               str(rank), "2", how], cwd=ROOT, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for rank in range(2)]
-    logs = []
-    for process in ranks:
-        try:
-            logs.append(process.communicate(timeout=fsdp_worker.HANG_S + 60)[0])
-        except subprocess.TimeoutExpired:
-            for p in ranks:
-                p.kill()
-            logs.append(process.communicate()[0])
-    assert [p.returncode for p in ranks] == [0, 0], "\n".join(logs)
+    _two_ranks("tests.fsdp_worker", tmp_path, fsdp_worker.HANG_S, how)
     found = json.loads((tmp_path / "losses.json").read_text())
     want = fsdp_worker.single_process_losses()
     assert found["losses"] == pytest.approx(want, rel=1e-5)

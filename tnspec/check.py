@@ -31,7 +31,7 @@ RESERVED_NAMES = frozenset("""
     register_state_dict_post_hook register_state_dict_pre_hook requires_grad_ set_extra_state
     set_submodule share_memory state_dict to to_empty train training type xpu zero_grad
     bias spec sizes network plan program planner autotune max_elements reset_parameters self
-    source plan_cache_size max_bytes in_channels out_channels kernel_size stride padding
+    source plan_cache_size autotune_seconds max_bytes in_channels out_channels kernel_size stride padding
     dilation groups in_features out_features dense_weight fit_
     torch
 """.split())
