@@ -507,3 +507,15 @@ def test_the_cache_keeps_at_most_max_choices_the_newest(calibrated, monkeypatch)
                              {"op": "conv1x1", "seconds": {}})
     kept = list(json.loads(calibrated.read_text())["choices"])
     assert [k.rsplit("batch ", 1)[1] for k in kept] == [f"{n}, test" for n in range(3, 8)]
+
+
+def test_export_before_any_call_measures_nothing_under_fake_tensors(calibrated, monkeypatch):
+    """torch.export of a layer never called: with calibration on and an empty cache, planning
+    the traced class measured the cost model under export's fake tensors, and export failed
+    ("a fake tensor in the exported program constant's list")."""
+    monkeypatch.setattr(calibration, "measure", lambda *a, **k: pytest.fail("measured"))
+    layer = tnspec.formats.htk2(16, 16, 3, rank=4, padding=1).layer()
+    x = torch.randn(2, 16, 8, 8)
+    exported = torch.export.export(layer, (x,))
+    monkeypatch.undo()
+    torch.testing.assert_close(exported.module()(x), layer(x), rtol=1e-4, atol=1e-5)

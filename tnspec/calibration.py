@@ -121,15 +121,21 @@ def measures(device: torch.device | str) -> bool:
     return enabled() and torch.device(device).type in ("cpu", "cuda")
 
 
-def cost_model(device: torch.device | str = "cpu",
-               dtype: torch.dtype = torch.float32) -> CostModel:
+def cost_model(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, *,
+               measure_now: bool = True) -> CostModel:
     """The cost model for ``device`` and ``dtype``: calibrated (measured once, then read from
     the cache), or the built-in constants when calibration is off or the device is not one
-    tnspec can time (e.g. ``meta``)."""
+    tnspec can time (e.g. ``meta``). ``measure_now=False`` (while ``torch.compile`` or
+    ``torch.export`` traces, where tensors are fake and nothing can be timed) takes a cached
+    calibration if there is one and the built-in constants otherwise."""
+    builtin = CostModel(scale=2.0 if dtype.itemsize == 8 else 1.0)
     if not measures(device):
-        return CostModel(scale=2.0 if dtype.itemsize == 8 else 1.0)
+        return builtin
     key = device_key(device, dtype)
     if key not in _memory:
+        if not measure_now:
+            found = _read()[0].get(key)
+            return found.model if found is not None else builtin
         _memory[key] = calibrate(device, dtype).model
     return _memory[key]
 

@@ -267,9 +267,10 @@ class Layer(nn.Module):
         shape = tuple(example_shape(self.network, {}))
         if len(shape) == self._unbatched_dims:
             shape = (1, *shape)
+        # traced: nothing is measured now (under torch.export's fake tensors it cannot be)
+        model = calibration.cost_model(*self._where(), measure_now=False)
         the_plan = plan(bind_shape(self.network, shape), self.planner, max_bytes=self.max_bytes,
-                        itemsize=self._itemsize(), model=self._measured()["model"],
-                        choose=lambda step: "conv1x1")
+                        itemsize=self._itemsize(), model=model, choose=lambda step: "conv1x1")
         return runtime.layer_class(self.network, the_plan)
 
     def _fastest(self, shape: tuple[int, ...], channels_last: bool = False
