@@ -22,7 +22,7 @@ from .shapes import bind_shape
 
 
 def fastest(layer: Any, shape: tuple[int, ...], channels_last: bool = False,
-            repeats: int = 5) -> tuple[type, str, Plan]:
+            repeats: int = 5) -> tuple[type, Plan, str]:
     """The fastest distinct candidate order for ``shape``, timed forward and backward on
     the cores' device, or recalled from the calibration cache where a process timed the
     same candidates' code before (where another build of tnspec lowers them differently,
@@ -33,8 +33,8 @@ def fastest(layer: Any, shape: tuple[int, ...], channels_last: bool = False,
     against the model's order alone; an order the cost model prices at more than
     ``calibration.PRUNE`` times the cheapest is not timed. Timing uses its own random
     generator and gradients, so that the global RNG, ``no_grad``, ``inference_mode`` and
-    frozen cores are left as they are. Returns the class, what was done in words, and the
-    plan whose order it runs."""
+    frozen cores are left as they are. Returns the class, the plan whose order it runs,
+    and what was done in words."""
     bound = bind_shape(layer.network, shape)
     plans = []
     for name in ("auto", "greedy", "dense-first", "left-to-right"):
@@ -45,36 +45,31 @@ def fastest(layer: Any, shape: tuple[int, ...], channels_last: bool = False,
             if name == "auto":
                 raise  # the layer's own error for this shape
     predicted = [sum(s.seconds for s in p.steps) for p in plans]
-    candidates: dict[str, type] = {}
-    plan_of: dict[str, Plan] = {}
+    candidates: dict[str, tuple[type, Plan]] = {}  # distinct orders: their class and plan
     for i, candidate in enumerate(plans):
         if i and predicted[i] > calibration.PRUNE * min(predicted):
             continue  # not worth timing (see PRUNE); the model's own order always is
         key = repr(tuple((s.left.indices, s.right.indices, s.op) for s in candidate.steps))
         if key not in candidates:
-            candidates[key] = runtime.layer_class(layer.network, candidate,
-                                                  channels_last)
-            plan_of[key] = candidate
+            candidates[key] = (runtime.layer_class(layer.network, candidate, channels_last),
+                               candidate)
     if layer._image and not channels_last:
         # the model's order run channels-last inside, the input and result converted
         key = "channels-last inside, " + next(iter(candidates))
-        candidates[key] = runtime.layer_class(layer.network, plans[0], convert=True)
-        plan_of[key] = plans[0]
+        candidates[key] = (runtime.layer_class(layer.network, plans[0], convert=True), plans[0])
     if len(candidates) == 1:
-        return next(iter(candidates.values())), "one candidate order, nothing timed", \
-            plans[0]
+        return (*next(iter(candidates.values())), "one candidate order, nothing timed")
     sizes = ", ".join(f"{k}={v}" for k, v in sorted(layer.sizes.items()))
     what = f"order of {layer.spec} ({sizes}) for {list(layer._shape_key(shape))}" + \
         (" channels_last" if channels_last else "")
     device, dtype = layer._where()
     kept = calibration.measures(device)
     found = calibration.recall(device, dtype, what) if kept else None
-    code = runtime.fingerprint(*candidates.values())
+    classes = [cls for cls, _ in candidates.values()]
+    code = runtime.fingerprint(*classes)
     if found is not None and found.get("order") in candidates and found.get("code") == code:
         # timed among the very same code
-        return candidates[found["order"]], "order recalled from the calibration cache", \
-            plan_of[found["order"]]
-    classes = list(candidates.values())
+        return (*candidates[found["order"]], "order recalled from the calibration cache")
     seconds = layer._time(classes, shape, repeats, channels_last)
     best = min(range(len(seconds)), key=seconds.__getitem__)
     if best and seconds[best] < calibration.MARGIN * seconds[0]:
@@ -86,8 +81,8 @@ def fastest(layer: Any, shape: tuple[int, ...], channels_last: bool = False,
     if kept:
         calibration.remember(device, dtype, what, {
             "order": list(candidates)[best], "code": code, "seconds": seconds[best]})
-    return classes[best], f"timed {len(classes)} candidate orders forward and backward", \
-        plan_of[list(candidates)[best]]
+    return (*list(candidates.values())[best],
+            f"timed {len(classes)} candidate orders forward and backward")
 
 
 def time_orders(layer: Any, classes: list[type], shape: tuple[int, ...], repeats: int,

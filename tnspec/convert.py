@@ -142,8 +142,7 @@ def tensorize(model: nn.Module, format: str = "tucker2", *, rank: int | float = 
                         f"{where}")
     before = sum(p.numel() for p in model.parameters())
     following = following_activations(model)
-    tied = _tied(model)
-    fixed = _read_directly(model)
+    left_alone = {**_read_directly(model), **_tied(model)}  # {layer name: why}
     replaced, skipped, kinds = [], [], []
     other: dict[str, int] = {}
     progress = Progress("tensorize")  # a line per layer where a person watches
@@ -158,10 +157,8 @@ def tensorize(model: nn.Module, format: str = "tucker2", *, rank: int | float = 
         act, source = (activation, "given") if activation is not None else \
             following.get(name, ("linear", "no activation found after it"))
         try:
-            if name in tied:
-                raise SpecError(tied[name])
-            if name in fixed:
-                raise SpecError(fixed[name])
+            if name in left_alone:
+                raise SpecError(left_alone[name])
             _check_forward(module)
             fit_error = None
             if error is not None:

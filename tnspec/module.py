@@ -135,7 +135,10 @@ class Layer(nn.Module):
         first = next(self.parameters(), None)
         if first is None:
             return torch.device("cpu"), torch.float32
-        lower = _autocast(first.device.type) if first.dtype == torch.float32 else None
+        # autocast raises when asked about a device it does not know (meta, where large
+        # models are built before their weights are loaded)
+        known = first.device.type in _AUTOCAST_DEVICES
+        lower = _autocast(first.device.type) if first.dtype == torch.float32 and known else None
         return first.device, lower or first.dtype
 
     def _itemsize(self) -> int:
@@ -210,7 +213,7 @@ class Layer(nn.Module):
             return classes[key]
         start = time.perf_counter()
         if self._tunes():
-            cls, work, the_plan = self._fastest(shape, channels_last)
+            cls, the_plan, work = self._fastest(shape, channels_last)
             self._tuning_spent += time.perf_counter() - start
             if self._tuning_spent >= self.autotune_seconds:
                 logger.info("%s: %.1f s spent timing orders, past autotune_seconds=%g: new "
@@ -274,7 +277,7 @@ class Layer(nn.Module):
         return runtime.layer_class(self.network, the_plan)
 
     def _fastest(self, shape: tuple[int, ...], channels_last: bool = False
-                 ) -> tuple[type, str, Plan]:
+                 ) -> tuple[type, Plan, str]:
         """The fastest candidate order's class for ``shape`` (see :func:`autotune.fastest`)."""
         return autotune.fastest(self, shape, channels_last)
 
@@ -326,16 +329,13 @@ _is_compiling = torch.compiler.is_compiling  # dynamo knows the function itself
 
 
 def _autocast(device_type: str) -> torch.dtype | None:
-    """Autocast's dtype where it is on for ``device_type``, else None (always for a device
-    autocast does not know, such as ``meta``)."""
-    if device_type not in _AUTOCAST_DEVICES:
-        return None
+    """Autocast's dtype where it is on for ``device_type`` (one of ``_AUTOCAST_DEVICES``),
+    else None."""
     return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) \
         else None
 
 
-#: the device types autocast can ask about (``meta``, where large models are built before
-#: their weights are loaded, makes torch raise)
+#: the device types autocast can be asked about (``meta`` makes torch raise)
 _AUTOCAST_DEVICES = frozenset({"cpu", "cuda", "xpu", "mps", "hpu", "xla", "mtia", "ipu"})
 
 
