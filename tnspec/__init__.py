@@ -18,6 +18,9 @@ network's cores to one), convert (``tensorize`` an existing model), dense (``mer
 """
 
 from . import formats
+from .adapter_state import (adapter_state_dict, disable_adapters, load_adapters,
+                            merge_adapters, set_adapter)
+from .adapters import Adapted, AdaptReport, adapt
 from ._version import __version__
 from .analysis import Backbone, backbone
 from .api import compile, compile_all, contract, generate, layer
@@ -34,8 +37,9 @@ from .report import explain
 
 
 __all__ = [
-    "Audit", "Backbone", "Calibration", "Conv", "Index", "Layer", "Network", "Options", "Plan",
-    "Role", "SpecError", "Tensor", "__version__", "audit", "backbone", "backward", "calibrate",
-    "compile", "compile_all", "contract", "explain", "formats", "generate", "layer", "merge",
-    "tensorize",
+    "AdaptReport", "Adapted", "Audit", "Backbone", "Calibration", "Conv", "Index", "Layer",
+    "Network", "Options", "Plan", "Role", "SpecError", "Tensor", "__version__", "adapt",
+    "adapter_state_dict", "audit", "backbone", "backward", "calibrate", "compile",
+    "compile_all", "contract", "disable_adapters", "explain", "formats", "generate", "layer",
+    "load_adapters", "merge", "merge_adapters", "set_adapter", "tensorize",
 ]
