@@ -251,7 +251,14 @@ def test_shared_layers_get_one_adapter_and_float_ranks_are_shares():
     model, report = tnspec.adapt(model, "cp", rank=0.05)
     assert model[0] is model[2] and isinstance(model[0], tnspec.Adapted)
     assert len(report.adapted) == 1 and report.adapted[0].params <= 0.05 * 64 * 64
-    assert "trainable" in str(report) and f"{report.trainable:,}" in str(report)
+    assert f"{report.trainable:,} of {report.total:,} parameters train" in str(report)
+
+
+def test_the_adapt_docstring_example_runs():
+    import doctest
+    from tnspec import adapters
+    result = doctest.testmod(adapters, extraglobs={"nn": nn})
+    assert result.failed == 0 and result.attempted >= 3
 
 
 def test_bad_arguments_are_clear_errors():
@@ -281,3 +288,34 @@ def test_a_zero_weight_still_gives_a_scaled_adapter():
     model, report = tnspec.adapt(conv, "low_rank", rank=2)
     assert "the base weight is zero" in report.adapted[0].note
     assert math.isfinite(model.scaling["default"]) and model.scaling["default"] > 0
+
+
+def test_peft_runs_tnspec_adapters_through_its_own_api(tmp_path):
+    peft = pytest.importorskip("peft", reason="the PEFT integration needs peft")
+    from tnspec.peft_bridge import register_peft
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Conv2d(4, 8, 3, padding=1, padding_mode="reflect"), nn.ReLU(),
+                         nn.Flatten(), nn.Linear(8 * 36, 6))
+    fresh = copy.deepcopy(base)
+    x = torch.randn(2, 4, 6, 6)
+    ref = base(x)
+    config = register_peft(peft.LoraConfig(r=2, target_modules=["0", "3"]), "tr")
+    model = peft.get_peft_model(base, config)
+    assert torch.equal(model(x), ref)
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all(".lora_tn.default." in n for n in trainable)
+    opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    for _ in range(3):
+        opt.zero_grad()
+        model(x).pow(2).mean().backward()
+        opt.step()
+    y = model(x)
+    assert not torch.allclose(y, ref)
+    with model.disable_adapter():
+        assert torch.equal(model(x), ref)
+    model.save_pretrained(tmp_path)
+    loaded = peft.PeftModel.from_pretrained(copy.deepcopy(fresh), tmp_path, config=config)
+    assert torch.equal(loaded(x), y)
+    merged = model.merge_and_unload()
+    assert type(merged[0]) is nn.Conv2d and merged[0].padding_mode == "reflect"
+    assert (merged(x) - y).norm() <= 1e-5 * y.norm()

@@ -57,6 +57,11 @@ def test_stages_import_only_what_lies_above_them():
     assert graph["measure"] <= {"cost"}
     assert graph["calibration"] <= {"cache", "cost", "measure", "progress"}
     assert graph["cache"] == set()  # the file alone: no model, no torch
+    # workflows above Layer: adapters build layers through the API, they plan nothing
+    assert graph["adapters"] <= {"api", "convert", "decompose", "dense", "errors", "formats",
+                                 "init", "ir", "module", "parse", "shapes"}
+    assert graph["adapter_state"] <= {"adapters", "api", "dense", "errors"}
+    assert graph["peft_bridge"] <= {"adapters", "decompose"}
     assert "__init__" not in set().union(*(d for m, d in graph.items() if m != "__main__"))
 
 

@@ -14,7 +14,9 @@ layer), plan (contraction order, each step's op and axis split), lower (typed pr
 executor), report (``explain``), api (entry points) and cli (the ``tnspec`` command); around
 them: formats (named formats as spec text), decompose (a layer's dense weight, and fitting any
 network's cores to one), convert (``tensorize`` an existing model), dense (``merge`` back), audit
-(variance ratios of any model, layer by layer) and draw (the hypergraph as Graphviz DOT).
+(variance ratios of any model, layer by layer), draw (the hypergraph as Graphviz DOT), and
+above ``Layer`` the adapters (``adapt``, ``merge_adapters``, ``adapter_state_dict``, ...;
+``register_peft`` for Hugging Face PEFT).
 """
 
 from . import formats
@@ -32,6 +34,7 @@ from .dense import merge
 from .errors import SpecError
 from .ir import Conv, Index, Network, Options, Role, Tensor
 from .module import Layer
+from .peft_bridge import register_peft
 from .plan import Plan
 from .report import explain
 
@@ -41,5 +44,5 @@ __all__ = [
     "Network", "Options", "Plan", "Role", "SpecError", "Tensor", "__version__", "adapt",
     "adapter_state_dict", "audit", "backbone", "backward", "calibrate", "compile",
     "compile_all", "contract", "disable_adapters", "explain", "formats", "generate", "layer",
-    "load_adapters", "merge", "merge_adapters", "set_adapter", "tensorize",
+    "load_adapters", "merge", "merge_adapters", "register_peft", "set_adapter", "tensorize",
 ]

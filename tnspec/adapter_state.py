@@ -12,31 +12,13 @@ from typing import Any, Iterator, Mapping, Sequence
 import torch
 from torch import nn
 
-from .adapters import _CONVS, Adapted, TensorizedConv, TensorizedLinear, _geometry_differs
+from .adapters import (_CONVS, Adapted, TensorizedConv, TensorizedLinear, _adapted,
+                       _geometry_differs, set_adapter)
 from .api import _with_options, compile
 from .dense import set_submodule
 from .errors import SpecError
 
 FORMAT = "tnspec-adapters/1"  # the tag of adapter_state_dict's layout
-
-
-def _adapted(model: nn.Module) -> list[tuple[str, Adapted]]:
-    return [(n, m) for n, m in model.named_modules() if isinstance(m, Adapted)]
-
-
-def set_adapter(model: nn.Module, name: str) -> None:
-    """Make adapter ``name`` the active one in every layer that has it (layers without it run
-    their base alone) and the only trainable adapter; other parameters keep their flags."""
-    found = False
-    for _, module in _adapted(model):
-        module.active = name if name in module.adapters else None
-        found |= name in module.adapters
-        for key, layer in module.adapters.items():
-            layer.requires_grad_(key == name)
-    if not found:
-        names = sorted({k for _, m in _adapted(model) for k in m.adapters})
-        raise SpecError(f"no layer has an adapter named {name!r}",
-                        hint=f"the adapters are {', '.join(names) or 'none (call adapt)'}")
 
 
 @contextlib.contextmanager

@@ -1,6 +1,7 @@
-"""``tnspec.adapt``: tensor-network adapters for fine-tuning a pretrained model. Each targeted
-``nn.Linear`` / ``nn.Conv1d/2d/3d`` becomes an :class:`Adapted` module: the original module
-(frozen, untouched) plus named tnspec layers of the same geometry whose outputs are added.
+"""``tnspec.adapt`` and ``tnspec.set_adapter``: tensor-network adapters for fine-tuning a
+pretrained model. Each targeted ``nn.Linear`` / ``nn.Conv1d/2d/3d`` becomes an
+:class:`Adapted` module: the original module (frozen, untouched) plus named tnspec layers of
+the same geometry whose outputs are added.
 
 The init rule (docs/adapters.md): the adapter's cores other than one are drawn by Graph-in for
 an output variance of ``scale`` times the base layer's (read from its weight: ``||W||^2 / out``
@@ -58,6 +59,7 @@ class Adapted(nn.Module):
 
     @property
     def bias(self) -> torch.Tensor | None:
+        """The base layer's bias (adapters have none)."""
         return self.base.bias
 
     def add(self, name: str, layer: Layer, scaling: float,
@@ -114,9 +116,9 @@ class AdaptReport:
     total: int  # every parameter of the model, adapters included
 
     def __str__(self) -> str:
-        lines = [f"adapt: adapter {self.adapter!r} ({self.format}) on {len(self.adapted)} "
-                 f"layer(s), {len(self.skipped)} skipped; trainable {self.trainable:,} of "
-                 f"{self.total:,} parameters ({100 * self.trainable / max(self.total, 1):.2f}%)"]
+        lines = [f"adapt: {self.adapter!r} ({self.format}) on {len(self.adapted)} layer(s), "
+                 f"{len(self.skipped)} skipped; {self.trainable:,} of {self.total:,} parameters "
+                 f"train ({100 * self.trainable / max(self.total, 1):.2f}%)"]
         for a in self.adapted:
             lines.append(f"  {a.name}: {a.base}")
             lines.append(f"      {a.params:,} trainable ({100 * a.share:.2f}% of its "
@@ -151,11 +153,15 @@ def adapt(model: nn.Module, fmt: Fmt = "low_rank", *, rank: int | float | None =
     zero), so the model computes what it did, bit for bit. Once the zero core reaches its
     Graph-in scale, the adapter's output variance is ``scale`` times the base layer's.
 
-    >>> net = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1, padding_mode="reflect"), nn.ReLU(),
+    >>> net = nn.Sequential(nn.Conv2d(4, 16, 3, padding=1, padding_mode="reflect"), nn.ReLU(),
     ...                     nn.Flatten(), nn.Linear(16 * 8 * 8, 10))
     >>> net, report = adapt(net, "tt", rank=4)
-    >>> print(report.adapted[1].name, report.adapted[1].params)
-    3 1320
+    >>> print(report)
+    adapt: 'default' (tt) on 2 layer(s), 0 skipped; 1,092 of 11,934 parameters train (9.15%)
+      0: Conv2d(4, 16, kernel_size=(3, 3), stride=(1, 1), padding=(1, 1), padding_mode=reflect)
+          196 trainable (33.11% of its 592), C starts at zero
+      3: Linear(in_features=1024, out_features=10, bias=True)
+          896 trainable (8.74% of its 10,250), B starts at zero
     """
     if not (isinstance(scale, (int, float)) and not isinstance(scale, bool) and scale > 0 and
             math.isfinite(scale)):
@@ -208,7 +214,6 @@ def adapt(model: nn.Module, fmt: Fmt = "low_rank", *, rank: int | float | None =
                                   sum(p.numel() for p in module.parameters()), zeroed, note))
     result = root if root is not None else model
     if adapted:  # as get_peft_model: the new adapter alone trains
-        from .adapter_state import set_adapter
         for p in result.parameters():
             p.requires_grad_(False)
         set_adapter(result, name)
@@ -217,6 +222,25 @@ def adapt(model: nn.Module, fmt: Fmt = "low_rank", *, rank: int | float | None =
                                else "spec", tuple(adapted), tuple(skipped),
                                sum(p.numel() for p in params if p.requires_grad),
                                sum(p.numel() for p in params))
+
+
+def _adapted(model: nn.Module) -> list[tuple[str, Adapted]]:
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, Adapted)]
+
+
+def set_adapter(model: nn.Module, name: str) -> None:
+    """Make adapter ``name`` the active one in every layer that has it (layers without it run
+    their base alone) and the only trainable adapter; other parameters keep their flags."""
+    found = False
+    for _, module in _adapted(model):
+        module.active = name if name in module.adapters else None
+        found |= name in module.adapters
+        for key, layer in module.adapters.items():
+            layer.requires_grad_(key == name)
+    if not found:
+        names = sorted({k for _, m in _adapted(model) for k in m.adapters})
+        raise SpecError(f"no layer has an adapter named {name!r}",
+                        hint=f"the adapters are {', '.join(names) or 'none (call adapt)'}")
 
 
 def _inside_adapted(model: nn.Module, path: str) -> bool:

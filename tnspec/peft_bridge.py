@@ -1,0 +1,111 @@
+"""tnspec adapters inside Hugging Face PEFT (optional: needs ``pip install peft``).
+
+``register_peft(config, "tt")`` maps ``nn.Linear`` and ``nn.Conv1d/2d/3d`` to a custom LoRA
+layer type (PEFT's experimental ``LoraConfig._register_custom_module``) that runs a tnspec
+adapter of that format at rank ``config.r``, built and initialized as :func:`tnspec.adapt`
+builds it. ``get_peft_model``, ``save_pretrained``, ``PeftModel.from_pretrained(model, path,
+config=config)`` and ``merge_and_unload`` then work as for PEFT's own LoRA. What PEFT keeps in
+its own hands: ``lora_alpha`` (tnspec's init rule sets the scaling), ``lora_dropout`` and
+``init_lora_weights`` are ignored, and the registration is not saved in ``adapter_config.json``
+(pass the registered config to ``from_pretrained``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .adapters import _CONVS, adapter_layer
+
+
+def register_peft(config: Any, fmt: str = "tt", *, scale: float = 1.0,
+                  **options: Any) -> Any:
+    """Register tnspec adapters of format ``fmt`` (a name of :data:`tnspec.formats.NAMES`,
+    with ``options`` for :func:`tnspec.formats.build`) in the PEFT ``LoraConfig`` ``config``
+    for ``nn.Linear`` and ``nn.Conv1d/2d/3d``; ``config.r`` (or its ``rank_pattern``) is the
+    rank, ``scale`` the adapter's variance as a share of the base layer's. Returns
+    ``config``."""
+    cls = _layer_class(fmt, scale, dict(options))
+    config._register_custom_module({kind: cls for kind in (nn.Linear, *_CONVS)})
+    return config
+
+
+def _layer_class(fmt: str, scale: float, options: dict[str, Any]) -> type:
+    from peft.tuners.lora import LoraLayer
+    from peft.tuners.tuners_utils import check_adapters_to_merge
+
+    class TnspecLoraLayer(nn.Module, LoraLayer):
+        """A PEFT LoRA layer whose adapters are tnspec layers (``lora_tn``)."""
+
+        adapter_layer_names = ("lora_tn",)
+        other_param_names = ("r", "lora_alpha", "scaling", "lora_dropout")
+
+        def __init__(self, base_layer: nn.Module, adapter_name: str, r: int = 8,
+                     lora_alpha: int = 8, **kwargs: Any) -> None:
+            nn.Module.__init__(self)
+            LoraLayer.__init__(self, base_layer)
+            self.lora_tn = nn.ModuleDict()
+            self.tn_pad: dict[str, Any] = {}
+            self._active_adapter = adapter_name
+            self.update_layer(adapter_name, r, lora_alpha)
+
+        def update_layer(self, adapter_name: str, r: int, lora_alpha: int | None = None,
+                         **kwargs: Any) -> None:
+            layer, scaling, pad, _, _ = adapter_layer(self.get_base_layer(), fmt, r, scale,
+                                                      None, None, options)
+            self.r[adapter_name], self.lora_alpha[adapter_name] = r, lora_alpha
+            self.scaling[adapter_name], self.tn_pad[adapter_name] = scaling, pad
+            self.lora_tn[adapter_name] = layer
+            self._move_adapter_to_device_of_base_layer(adapter_name)
+            self.set_adapter(self.active_adapters)
+
+        def get_delta_weight(self, adapter: str) -> torch.Tensor:
+            """The adapter as a dense weight of the base's shape, in float64."""
+            from .decompose import dense_weight
+            layer = self.lora_tn[adapter]
+            cores = {n: p.detach().double() for n, p in layer.named_parameters()}
+            return dense_weight(layer.network, cores) * self.scaling[adapter]
+
+        def _add(self, adapter: str, sign: int) -> None:
+            weight = self.get_base_layer().weight
+            with torch.no_grad():
+                total = weight.double() + sign * self.get_delta_weight(adapter).to(weight.device)
+                weight.copy_(total.to(weight.dtype))
+
+        def merge(self, safe_merge: bool = False, adapter_names: list[str] | None = None
+                  ) -> None:
+            for adapter in check_adapters_to_merge(self, adapter_names):
+                if adapter in self.lora_tn:
+                    self._add(adapter, 1)
+                    if safe_merge and not torch.isfinite(self.get_base_layer().weight).all():
+                        self._add(adapter, -1)
+                        raise ValueError(f"merging adapter {adapter!r} gives non-finite "
+                                         "weights")
+                    self.merged_adapters.append(adapter)
+
+        def unmerge(self) -> None:
+            while self.merged_adapters:
+                self._add(self.merged_adapters.pop(), -1)
+
+        def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+            if self.disable_adapters:
+                if self.merged:
+                    self.unmerge()
+                return self.base_layer(x, *args, **kwargs)
+            y = self.base_layer(x, *args, **kwargs)
+            if self.merged:
+                return y
+            for adapter in self.active_adapters:
+                if adapter in self.lora_tn:
+                    pad = self.tn_pad[adapter]
+                    xa = x if pad is None else F.pad(x, pad[0], mode=pad[1])
+                    y = torch.add(y, self.lora_tn[adapter](xa), alpha=self.scaling[adapter])
+            return y
+
+        def __repr__(self) -> str:
+            return "tnspec." + super().__repr__()
+
+    return TnspecLoraLayer
