@@ -17,7 +17,8 @@ Reported: test accuracy (mean, min-max), the steps to reach 95% of the run's fin
 (evaluated every 10 steps), and one training step's time at batch 256 relative to the frozen
 base's forward and backward (interleaved rounds, medians).
 
-    python -m experiments.adapters            # about 30 minutes (plot: results/adapters.png)
+    python -m experiments.adapters               # about 30 minutes (plot: results/adapters.png)
+    python -m experiments.adapters --geometries  # seconds: merge errors over conv geometries
 """
 
 from __future__ import annotations
@@ -41,6 +42,32 @@ TNSPEC = ("low_rank", "tt", "tr", "tucker2", "cp")
 PEFT = ("peft-lora", "peft-loha", "peft-lokr")
 SHARES = (0.005, 0.02, 0.08)
 RATES = {"full": (1e-3, 3e-3)}  # adapters: (3e-3, 1e-2)
+
+
+# (a base layer, the input shape) over what nn.Conv1d/2d/3d and nn.Linear accept: the matrix
+# tests/test_adapters.py checks tnspec's adapters on, and --geometries runs PEFT's through
+GEOMETRIES = {
+    "linear": (lambda: nn.Linear(12, 10), (5, 12)),
+    "linear-3d-input": (lambda: nn.Linear(12, 10, bias=False), (2, 3, 12)),
+    "conv1d": (lambda: nn.Conv1d(4, 6, 3, padding=1), (2, 4, 11)),
+    "conv1d-stride-dilation-circular": (
+        lambda: nn.Conv1d(4, 8, 5, stride=2, dilation=2, padding=3, padding_mode="circular"),
+        (2, 4, 13)),
+    "conv2d-same-reflect": (lambda: nn.Conv2d(4, 8, 3, padding="same", padding_mode="reflect"),
+                            (2, 4, 7, 6)),
+    "conv2d-same-even-kernel": (lambda: nn.Conv2d(4, 8, 4, padding="same"), (2, 4, 7, 7)),
+    "conv2d-groups-replicate": (
+        lambda: nn.Conv2d(8, 8, 3, groups=2, padding=1, padding_mode="replicate"), (2, 8, 6, 6)),
+    "conv2d-stride-dilation-groups": (
+        lambda: nn.Conv2d(8, 16, 3, stride=2, dilation=2, padding=2, groups=4, bias=False),
+        (2, 8, 9, 9)),
+    "conv2d-depthwise": (lambda: nn.Conv2d(8, 16, 3, groups=8, padding=1), (2, 8, 5, 5)),
+    "conv2d-valid": (lambda: nn.Conv2d(4, 6, (3, 2), padding="valid"), (2, 4, 6, 5)),
+    "conv3d-circular": (lambda: nn.Conv3d(4, 6, 3, padding=1, padding_mode="circular"),
+                        (2, 4, 4, 5, 4)),
+    "conv3d-anisotropic": (lambda: nn.Conv3d(4, 8, (1, 3, 3), stride=(1, 2, 2), padding=(0, 1, 1)),
+                           (2, 4, 3, 7, 7)),
+}
 
 
 def cnn() -> nn.Module:
@@ -169,11 +196,89 @@ def step_times(models: dict[str, nn.Module], x: torch.Tensor, y: torch.Tensor,
     return {name: statistics.median(t) for name, t in times.items()}
 
 
+def geometry_table() -> str:
+    """Each method over GEOMETRIES: the relative error of the merged model against the adapted
+    one (adapter cores random, rank 2), or why it does not run."""
+    import peft
+    methods: dict[str, Callable[[nn.Module], nn.Module]] = {
+        f"tnspec {f}": (lambda m, f=f: tnspec.adapt(m, f, rank=2)[0]) for f in ("low_rank", "tt")}
+    methods.update({
+        "PEFT LoRA": lambda m: peft.get_peft_model(m, peft.LoraConfig(
+            r=2, target_modules=["0"], init_lora_weights=False)),
+        "PEFT LoHa": lambda m: peft.get_peft_model(m, peft.LoHaConfig(
+            r=2, target_modules=["0"], init_weights=False)),
+        "PEFT LoKr": lambda m: peft.get_peft_model(m, peft.LoKrConfig(
+            r=2, target_modules=["0"], init_weights=False))})
+    rows = []
+    for geometry, (make, shape) in GEOMETRIES.items():
+        row = [f"`{make()!r}`".replace("|", "/")]
+        for name, method in methods.items():
+            torch.manual_seed(0)
+            x = torch.randn(shape)
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    model = method(nn.Sequential(make()))
+                    if name.startswith("tnspec"):
+                        with torch.no_grad():
+                            for p in model.parameters():
+                                if p.requires_grad:
+                                    p.normal_()
+                    y = model(x)
+                    model(x[0])  # unbatched input
+                    merged = (tnspec.merge_adapters(model) if name.startswith("tnspec")
+                              else model.merge_and_unload())
+                    row.append(f"{((merged(x) - y).norm() / y.norm()).item():.0e}")
+            except Exception as exc:  # what the library says, shortened
+                row.append(f"fails: {type(exc).__name__}")
+        rows.append(row)
+    return ("Relative error of the merged model against the adapted one (adapter weights "
+            f"random, rank 2), peft {peft.__version__}; 'fails' names the exception at "
+            "adapt, forward or merge time:\n\n"
+            + markdown_table(["layer", *methods], rows))
+
+
+def merge_precision() -> str:
+    """Merged against adapted outputs in float32 and bfloat16, both against float64."""
+    rows = []
+    for fmt in ("low_rank", "cp", "tucker2", "tt", "tr"):
+        for geometry in ("linear", "conv2d-same-reflect", "conv2d-stride-dilation-groups"):
+            make, shape = GEOMETRIES[geometry]
+            errors = []
+            for dtype in (torch.float32, torch.bfloat16):
+                torch.manual_seed(0)
+                x = torch.randn(shape, dtype=torch.float64)
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    model = tnspec.adapt(nn.Sequential(make()).double(), fmt, rank=2)[0]
+                with torch.no_grad():
+                    for p in model.parameters():
+                        if p.requires_grad:
+                            p.normal_()
+                exact = model(x)
+                low = copy.deepcopy(model).to(dtype)
+                merged = tnspec.merge_adapters(low)
+                for out in (low(x.to(dtype)), merged(x.to(dtype))):
+                    errors.append(((out.double() - exact).norm() / exact.norm()).item())
+            rows.append((fmt, geometry, *(f"{e:.1e}" for e in errors)))
+    return ("Relative error against the float64 adapted model of the same weights:\n\n"
+            + markdown_table(["format", "layer", "float32 adapted", "float32 merged",
+                              "bf16 adapted", "bf16 merged"], rows))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="a tiny version (tests)")
+    parser.add_argument("--geometries", action="store_true",
+                        help="merge errors of tnspec's and PEFT's adapters over conv geometries")
     args = parser.parse_args(argv)
     started = time.time()
+    if args.geometries:
+        text = "# Adapters over conv geometries\n\n" + geometry_table() + "\n\n" + \
+            merge_precision()
+        print(text)
+        save("adapters_geometries", text, started)
+        return 0
     images = digits(images=True)
     if args.smoke:
         images = (images[0][:200], images[1][:200], images[2][:100], images[3][:100])

@@ -13,32 +13,9 @@ import torch
 from torch import nn
 
 import tnspec
+from experiments.adapters import GEOMETRIES
 
 FORMATS = ("low_rank", "cp", "tucker2", "tt", "tr")
-
-# (a base layer, the input shape), over what nn.Conv1d/2d/3d and nn.Linear accept
-GEOMETRIES = {
-    "linear": (lambda: nn.Linear(12, 10), (5, 12)),
-    "linear-3d-input": (lambda: nn.Linear(12, 10, bias=False), (2, 3, 12)),
-    "conv1d": (lambda: nn.Conv1d(4, 6, 3, padding=1), (2, 4, 11)),
-    "conv1d-stride-dilation-circular": (
-        lambda: nn.Conv1d(4, 8, 5, stride=2, dilation=2, padding=3, padding_mode="circular"),
-        (2, 4, 13)),
-    "conv2d-same-reflect": (lambda: nn.Conv2d(4, 8, 3, padding="same", padding_mode="reflect"),
-                            (2, 4, 7, 6)),
-    "conv2d-same-even-kernel": (lambda: nn.Conv2d(4, 8, 4, padding="same"), (2, 4, 7, 7)),
-    "conv2d-groups-replicate": (
-        lambda: nn.Conv2d(8, 8, 3, groups=2, padding=1, padding_mode="replicate"), (2, 8, 6, 6)),
-    "conv2d-stride-dilation-groups": (
-        lambda: nn.Conv2d(8, 16, 3, stride=2, dilation=2, padding=2, groups=4, bias=False),
-        (2, 8, 9, 9)),
-    "conv2d-depthwise": (lambda: nn.Conv2d(8, 16, 3, groups=8, padding=1), (2, 8, 5, 5)),
-    "conv2d-valid": (lambda: nn.Conv2d(4, 6, (3, 2), padding="valid"), (2, 4, 6, 5)),
-    "conv3d-circular": (lambda: nn.Conv3d(4, 6, 3, padding=1, padding_mode="circular"),
-                        (2, 4, 4, 5, 4)),
-    "conv3d-anisotropic": (lambda: nn.Conv3d(4, 8, (1, 3, 3), stride=(1, 2, 2), padding=(0, 1, 1)),
-                           (2, 4, 3, 7, 7)),
-}
 
 
 def _adapted(geometry: str, fmt: str, rank: int = 2, seed: int = 0):
