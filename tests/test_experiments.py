@@ -10,7 +10,8 @@ import torch
 pytest.importorskip("sklearn", reason="the experiments use scikit-learn's digits")
 pytest.importorskip("tqdm", reason="the experiments show tqdm progress bars")
 
-from experiments import allconv, audit, decompose, prop2, propagation, random_formats  # noqa: E402,E501
+from experiments import (adapters, allconv, audit, decompose, prop2, propagation,  # noqa: E402
+                         random_formats)
 from experiments.common import digits  # noqa: E402
 
 
@@ -55,7 +56,7 @@ def test_allconv_graph_in_keeps_the_scale_per_core_kaiming_does_not():
 
 
 def test_every_experiment_command_runs_its_smoke_version(capsys):
-    for module in (prop2, propagation, random_formats, allconv, audit, decompose):
+    for module in (prop2, propagation, random_formats, allconv, audit, decompose, adapters):
         assert module.main(["--smoke"]) == 0
     out = capsys.readouterr().out
     assert out.count("| Ground truth |") == 1 and "graph-in (Odd-5)" in out
