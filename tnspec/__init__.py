@@ -29,6 +29,7 @@ from .api import compile, compile_all, contract, generate, layer
 from .audit import Audit, audit
 from .backward import backward
 from .calibration import Calibration, calibrate
+from .compress import CompressReport, compress
 from .convert import tensorize
 from .dense import merge
 from .errors import SpecError
@@ -40,9 +41,10 @@ from .report import explain
 
 
 __all__ = [
-    "AdaptReport", "Adapted", "Audit", "Backbone", "Calibration", "Conv", "Index", "Layer",
-    "Network", "Options", "Plan", "Role", "SpecError", "Tensor", "__version__", "adapt",
-    "adapter_state_dict", "audit", "backbone", "backward", "calibrate", "compile",
-    "compile_all", "contract", "disable_adapters", "explain", "formats", "generate", "layer",
-    "load_adapters", "merge", "merge_adapters", "register_peft", "set_adapter", "tensorize",
+    "AdaptReport", "Adapted", "Audit", "Backbone", "Calibration", "CompressReport", "Conv",
+    "Index", "Layer", "Network", "Options", "Plan", "Role", "SpecError", "Tensor",
+    "__version__", "adapt", "adapter_state_dict", "audit", "backbone", "backward", "calibrate",
+    "compile", "compile_all", "compress", "contract", "disable_adapters", "explain", "formats",
+    "generate", "layer", "load_adapters", "merge", "merge_adapters", "register_peft",
+    "set_adapter", "tensorize",
 ]

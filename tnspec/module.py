@@ -21,7 +21,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-from . import autotune, calibration, decompose, runtime, safe
+from . import autotune, calibration, decompose, moments, runtime, safe
 from .errors import SpecError
 from .ir import DEFAULT_MAX_BYTES, Network, Role
 from .lower import Program, bias_shape, lower
@@ -162,8 +162,9 @@ class Layer(nn.Module):
         neither conv-like nor linear-like."""
         return decompose.dense_weight(self.network, dict(self.named_parameters()))
 
-    def fit_(self, weight: torch.Tensor, *, max_iter: int = 200, tol: float = 1e-7,
-             starts: int = 4, hops: int = 64, max_seconds: float | None = 60.0) -> float:
+    def fit_(self, weight: torch.Tensor, *, inputs: torch.Tensor | None = None,
+             max_iter: int = 200, tol: float = 1e-7, starts: int = 4, hops: int = 64,
+             max_seconds: float | None = 60.0) -> float:
         """Set the cores, in place, so that :meth:`dense_weight` approximates ``weight`` (an
         ``nn.ConvNd``/``nn.Linear`` weight of that shape); return the relative error
         ``||dense_weight() - weight|| / ||weight||`` reached, computed from the cores as set.
@@ -176,17 +177,32 @@ class Layer(nn.Module):
         for any conv-like or linear-like network, on the layer's device, in float64
         internally. ``max_seconds`` bounds the whole fit (None: no limit): past it the best
         fit so far is kept, and a ``tnspec`` log record at INFO says so. The bias is left
-        alone. The global RNG is untouched."""
+        alone. The global RNG is untouched.
+
+        ``inputs`` (sample inputs of the layer, as its ``forward`` takes them: the activations
+        that reach it) fits the layer's *outputs* instead: ``E ||(W_fit - W) p||^2`` over the
+        inputs' patches ``p`` (``tnspec.moments``), from the weight-only fit; the return value is
+        then the relative output error on ``inputs``, ``||(W_fit - W) p|| / ||W p||`` (bias
+        aside)."""
         if not isinstance(weight, torch.Tensor):
             raise TypeError(f"fit_ takes the dense weight as a torch.Tensor, got "
                             f"{type(weight).__name__}")
+        metric = None if inputs is None else moments.of_inputs(self, inputs)
+        return self._fit(weight, metric, max_iter=max_iter, tol=tol, starts=starts, hops=hops,
+                         max_seconds=max_seconds)
+
+    def _fit(self, weight: torch.Tensor, metric: torch.Tensor | None, **options: Any) -> float:
+        """:meth:`fit_` with the inputs' metric factor (``tnspec.moments``) already built."""
         first = next(iter(self.parameters()))
-        cores = decompose.fit(self.network, weight.detach().to(first.device), max_iter=max_iter,
-                              tol=tol, starts=starts, hops=hops, max_seconds=max_seconds)
+        if metric is not None:
+            options["metric"] = metric = metric.to(first.device)
+        cores = decompose.fit(self.network, weight.detach().to(first.device), **options)
         with torch.no_grad():
             for name, tensor in cores.items():
                 getattr(self, name).copy_(tensor)
-            return decompose.relative_error(self.dense_weight(), weight)
+            if metric is None:
+                return decompose.relative_error(self.dense_weight(), weight)
+            return decompose.output_error(self.dense_weight(), weight, metric)
 
     def source(self, shape: Sequence[int]) -> str:
         """The generated module whose ``forward`` this layer runs for an input of ``shape``:
