@@ -63,7 +63,8 @@ def test_stages_import_only_what_lies_above_them():
     assert graph["adapter_state"] <= {"adapters", "api", "dense", "errors"}
     assert graph["peft_bridge"] <= {"adapters", "decompose"}
     assert graph["moments"] <= {"errors"}
-    assert graph["compress"] <= {"convert", "dense", "errors", "module", "moments", "progress"}
+    assert graph["observe"] <= {"errors", "moments"}
+    assert graph["compress"] <= {"convert", "dense", "errors", "module", "observe", "progress"}
     assert "__init__" not in set().union(*(d for m, d in graph.items() if m != "__main__"))
 
 

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from . import moments
+from . import observe
 from .convert import (_CONVS, Selector, _check_forward, _read_directly, _replacement,
                       _selected, _tied)
 from .dense import set_submodule
@@ -152,9 +152,10 @@ def compress(model: nn.Module, budget: float = 0.25, formats: Sequence[str] = FO
     input), run through the model (eval mode, no grad, at most ``max_batches``) to record what
     reaches each layer; each candidate is then fitted to the layer's outputs, and each layer's
     sensitivity measured. ``fit``: options of :meth:`Layer.fit_` (by default one start, no
-    hops, at most 30 sweeps stopping at a gain under 0.01%, 20 s a fit). ``latency=True`` (needs ``data``) times every candidate and
-    the dense layer, forward and backward, on the input shape the layer saw, and drops
-    candidates slower than dense; ``timer(module, shape) -> seconds`` replaces that timing.
+    hops, at most 30 sweeps stopping at a gain under 0.01%, 20 s a fit). ``latency=True``
+    (needs ``data``) times every candidate and the dense layer, forward and backward, on the
+    input shape the layer saw, and drops candidates slower than dense; ``timer(module,
+    shape) -> seconds`` replaces that timing.
 
     Returns ``(model, report)``; ``print(report)`` shows a row per layer, ``report.plot()``
     the candidates. Nothing in the model changes until every fit is done: an error or Ctrl-C
@@ -183,8 +184,8 @@ def compress(model: nn.Module, budget: float = 0.25, formats: Sequence[str] = FO
     if not layers:
         raise SpecError("no layer to compress", hint="check include= and exclude=")
     progress = Progress("compress")
-    seen = _record(model, layers, data, max_batches) if data is not None else {}
-    sensitivity = _sensitivities(model, layers, data) if data is not None else {}
+    seen = observe.inputs(model, layers, data, max_batches) if data is not None else {}
+    sensitivity = observe.sensitivities(model, layers, data) if data is not None else {}
     choices, chosen_layers = [], {}
     for name, module in layers:
         dense_params = sum(p.numel() for p in module.parameters())
@@ -278,102 +279,6 @@ def _apply(model: nn.Module, chosen: Mapping[str, nn.Module]) -> None:
         for name, module in old.items():
             set_submodule(model, name, module)
         raise
-
-
-def _batches(data: Any, max_batches: int) -> list[torch.Tensor]:
-    if isinstance(data, torch.Tensor):
-        return [data]
-    out = []
-    for batch in data:
-        x = batch[0] if isinstance(batch, (tuple, list)) else batch
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"compress(data=...) batches must be tensors or tuples starting "
-                            f"with one, not {type(x).__name__}")
-        out.append(x)
-        if len(out) >= max_batches:
-            break
-    return out
-
-
-def _record(model: nn.Module, layers: list[tuple[str, nn.Module]], data: Any,
-            max_batches: int) -> dict[str, tuple[tuple[int, ...], torch.Tensor]]:
-    """``{layer: (an input shape it saw, the metric factor of its inputs)}``."""
-    rows: dict[str, list[torch.Tensor]] = {name: [] for name, _ in layers}
-    shapes: dict[str, tuple[int, ...]] = {}
-
-    def hook(name: str, module: nn.Module) -> Callable:
-        def record(_: nn.Module, args: tuple) -> None:
-            x = args[0].detach()
-            shapes.setdefault(name, tuple(x.shape))
-            if isinstance(module, nn.Linear):
-                r = x.reshape(-1, x.shape[-1])
-            else:
-                x = x if x.dim() == len(module.kernel_size) + 2 else x.unsqueeze(0)
-                r = moments.patches(x, module.kernel_size, module.stride,
-                                    _padding(module), module.dilation)
-            keep = max(moments.MAX_ROWS // max_batches, 1)
-            if r.shape[0] > keep:
-                gen = torch.Generator().manual_seed(len(rows[name]))
-                r = r[torch.randperm(r.shape[0], generator=gen)[:keep].to(r.device)]
-            rows[name].append(r.double())
-        return record
-    _run(model, layers, data, max_batches, hook)
-    return {name: (shapes[name], moments.factor(torch.cat(rows[name]),
-                                                getattr(module, "groups", 1)))
-            for name, module in layers if rows[name]}
-
-
-def _padding(module: nn.Module) -> tuple[int, ...]:
-    if isinstance(module.padding, str):  # "same" / "valid", symmetric where tnspec takes it
-        pads = module._reversed_padding_repeated_twice
-        return tuple(pads[0::2][::-1])
-    return tuple(module.padding)
-
-
-def _run(model: nn.Module, layers: list[tuple[str, nn.Module]], data: Any, max_batches: int,
-         make_hook: Callable) -> None:
-    handles = [m.register_forward_pre_hook(make_hook(n, m)) for n, m in layers]
-    training = {m: m.training for m in model.modules()}
-    try:
-        model.eval()
-        with torch.no_grad():
-            for x in _batches(data, max_batches):
-                model(x)
-    finally:
-        for h in handles:
-            h.remove()
-        for m, flag in training.items():
-            m.train(flag)
-
-
-def _sensitivities(model: nn.Module, layers: list[tuple[str, nn.Module]], data: Any,
-                   noise: float = 0.01) -> dict[str, float]:
-    """Per layer: ``||f(x; layer output + noise) - f(x)|| / (noise ||f(x)||)`` for Gaussian
-    noise of ``noise`` times the output's rms (own generator), on the first batch."""
-    x = _batches(data, 1)[0]
-    training = {m: m.training for m in model.modules()}
-    out = {}
-    try:
-        model.eval()
-        with torch.no_grad():
-            reference = model(x)
-            for name, module in layers:
-                gen = torch.Generator().manual_seed(0)
-
-                def perturb(_: nn.Module, args: tuple, y: torch.Tensor) -> torch.Tensor:
-                    rms = y.pow(2).mean().sqrt()
-                    return y + noise * rms * torch.randn(y.shape, generator=gen).to(y)
-                handle = module.register_forward_hook(perturb)
-                try:
-                    moved = model(x)
-                finally:
-                    handle.remove()
-                out[name] = float((moved - reference).norm() /
-                                  (noise * reference.norm() + 1e-30))
-    finally:
-        for m, flag in training.items():
-            m.train(flag)
-    return out
 
 
 def _timed(module: nn.Module, shape: tuple[int, ...] | None, repeats: int = 7) -> float:
