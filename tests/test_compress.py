@@ -184,3 +184,13 @@ def test_bad_arguments_are_clear_errors():
         tnspec.compress(_model(), 0.5, latency=True)
     with pytest.raises(tnspec.SpecError, match="no layer to compress"):
         tnspec.compress(_model(), 0.5, include="nothing")
+
+
+def test_the_report_plots_each_layers_candidates(tmp_path):
+    pytest.importorskip("matplotlib")
+    import matplotlib
+    matplotlib.use("Agg")
+    _, report = _compress(_model(), 0.3)
+    fig = report.plot(str(tmp_path / "fronts.png"))
+    assert (tmp_path / "fronts.png").stat().st_size > 0
+    assert len([ax for ax in fig.axes if ax.get_title()]) == len(report.choices)
