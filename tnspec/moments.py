@@ -54,7 +54,7 @@ def factor(rows: Tensor, groups: int = 1, *, max_rows: int = MAX_ROWS,
     for g in range(groups):
         block = rows[:, g * per:(g + 1) * per]
         moment = block.T @ block / max(block.shape[0], 1)
-        values, vectors = torch.linalg.eigh(moment)
+        values, vectors = _eigh(moment)
         keep = values > 1e-12 * max(float(values[-1]), 1e-300)
         values, vectors = values[keep][-max_rank:], vectors[:, keep][:, -max_rank:]
         factors.append(vectors * values.sqrt())
@@ -63,6 +63,20 @@ def factor(rows: Tensor, groups: int = 1, *, max_rows: int = MAX_ROWS,
     for g, f in enumerate(factors):
         out[g, :, :f.shape[1]] = f
     return out
+
+
+def _eigh(moment: Tensor) -> tuple[Tensor, Tensor]:
+    """``torch.linalg.eigh``, with a jitter on the diagonal where it does not converge (the
+    moment of ReLU activations has many repeated zero eigenvalues)."""
+    scale = float(moment.diagonal().mean()) or 1.0
+    for jitter in (0.0, 1e-12, 1e-9, 1e-6):
+        try:
+            eye = torch.eye(len(moment), dtype=moment.dtype, device=moment.device)
+            return torch.linalg.eigh(moment + jitter * scale * eye)
+        except torch.linalg.LinAlgError:
+            continue
+    raise SpecError("the second moment of the inputs has no eigendecomposition",
+                    hint="check the inputs for NaN or infinite values")
 
 
 def of_inputs(layer: Any, inputs: Tensor) -> Tensor:
