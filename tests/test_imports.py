@@ -61,7 +61,7 @@ def test_stages_import_only_what_lies_above_them():
     assert graph["adapters"] <= {"api", "convert", "decompose", "dense", "errors", "formats",
                                  "init", "ir", "module", "parse", "shapes"}
     assert graph["adapter_state"] <= {"adapters", "api", "dense", "errors"}
-    assert graph["peft_bridge"] <= {"adapters", "decompose"}
+    assert graph["peft_bridge"] <= {"adapters"}
     assert graph["moments"] <= {"errors"}
     assert graph["observe"] <= {"errors", "moments"}
     assert graph["compress"] <= {"convert", "dense", "errors", "module", "observe", "progress"}

@@ -79,12 +79,17 @@ class Adapted(nn.Module):
 
     def delta_weight(self, name: str) -> torch.Tensor:
         """Adapter ``name`` as a dense weight of the base's shape, in float64."""
-        layer = self.adapters[name]
-        cores = {n: p.detach().double() for n, p in layer.named_parameters() if n != "bias"}
-        return decompose.dense_weight(layer.network, cores) * self.scaling[name]
+        return delta_weight(self.adapters[name], self.scaling[name])
 
     def extra_repr(self) -> str:
         return f"active={self.active!r}" + (", disabled" if self.disabled else "")
+
+
+def delta_weight(layer: Layer, scaling: float) -> torch.Tensor:
+    """``scaling`` times the adapter ``layer`` as a dense weight, from float64 copies of its
+    cores (what merging adds to the base weight)."""
+    cores = {n: p.detach().double() for n, p in layer.named_parameters() if n != "bias"}
+    return decompose.dense_weight(layer.network, cores) * scaling
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .adapters import _CONVS, adapter_layer
+from .adapters import _CONVS, adapter_layer, delta_weight
 
 
 def register_peft(config: Any, fmt: str = "tt", *, scale: float = 1.0,
@@ -64,10 +64,7 @@ def _layer_class(fmt: str, scale: float, options: dict[str, Any]) -> type:
 
         def get_delta_weight(self, adapter: str) -> torch.Tensor:
             """The adapter as a dense weight of the base's shape, in float64."""
-            from .decompose import dense_weight
-            layer = self.lora_tn[adapter]
-            cores = {n: p.detach().double() for n, p in layer.named_parameters()}
-            return dense_weight(layer.network, cores) * self.scaling[adapter]
+            return delta_weight(self.lora_tn[adapter], self.scaling[adapter])
 
         def _add(self, adapter: str, sign: int) -> None:
             weight = self.get_base_layer().weight
