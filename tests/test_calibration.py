@@ -20,6 +20,8 @@ from tnspec.cost import CostModel, Mixing
 from tnspec.plan import plan
 from tnspec.shapes import bind_shape
 
+from .conftest import IDLE, idle_samples
+
 TUCKER2 = "x[b, c, h+kh-1, w+kw-1], U[c, r0], G[r0, r1, kh, kw], V[r1, o] -> y[b, o, h, w]"
 SIZES = dict(c=6, o=5, r0=3, r1=2, kh=3, kw=3)
 
@@ -91,6 +93,8 @@ def test_an_unwritable_cache_warns_and_keeps_the_calibration_in_memory(tmp_path,
     blocker.write_text("")
     monkeypatch.setenv(calibration.ENV_SWITCH, "1")
     monkeypatch.setenv(calibration.ENV_DIR, str(blocker / "sub"))  # a file is in the way
+    monkeypatch.setattr(calibration, "others_running", lambda: 0)
+    monkeypatch.setattr(calibration, "measure", idle_samples)
     calibration.forget()
     with pytest.warns(UserWarning, match="cannot write the calibration cache"):
         model = calibration.cost_model()
@@ -271,21 +275,39 @@ def test_time_mixing_times_both_ops_on_small_sizes():
     assert set(seconds) == {"conv1x1", "einsum"} and all(t > 0 for t in seconds.values())
 
 
+@pytest.mark.parametrize("context", ["no_grad", "inference_mode", "grad"])
+def test_measuring_for_real_times_every_step_and_leaves_rng_and_grad_mode_alone(context):
+    """The fixture's calibrations fit ``idle_samples``; this one times the device. Whether
+    its fit is plausible depends on the machine's load, so only what does not is asserted."""
+    state = torch.get_rng_state()
+    mode = {"no_grad": torch.no_grad, "inference_mode": torch.inference_mode}.get(
+        context, torch.enable_grad)
+    with mode():
+        samples = measure.measure("cpu", torch.float32)
+        enabled, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
+    assert torch.equal(torch.get_rng_state(), state)
+    assert (enabled, inference) == (context == "grad", context == "inference_mode")
+    assert len(samples) == len(measure.CONVS) + len(measure.EINSUMS)
+    assert all(s.seconds > 0 and s.spread >= 1 for s in samples)
+    model, error = measure.fit(samples)
+    assert model.conv_rate > 0 and error >= 1
+
+
+def test_the_fixtures_idle_machine_is_plausible_and_fitted_back():
+    model, error = measure.fit(idle_samples())
+    assert calibration.doubts(model, error, 1.0, "cpu") == []
+    assert math.isclose(model.conv_rate, IDLE.conv_rate, rel_tol=1e-6)
+
+
 def test_the_fit_recovers_a_known_model():
-    truth = CostModel(conv_rate=1e11, einsum_rate=3e10, channels=4, bandwidth=2e9,
-                      overhead=5e-5, grouped=1.5, einsum_bandwidth=1e9)
-    samples = []
-    for n, g, cin, cout, side, k in measure.CONVS:
-        s = measure.Sample("conv", n, g, cin, cout, side * side, k * k, 0.0)
-        samples.append(measure.Sample(**{**s.__dict__, "seconds": s.predicted(truth)}))
-    for n, cin, cout, pos in measure.EINSUMS:
-        s = measure.Sample("einsum", n, 1, cin, cout, pos, 1, 0.0)
-        samples.append(measure.Sample(**{**s.__dict__, "seconds": s.predicted(truth)}))
+    truth = CostModel(conv_rate=4e10, einsum_rate=8e10, channels=8, bandwidth=5e9,
+                      overhead=2e-4, grouped=2.0, einsum_bandwidth=3e9)
+    samples = idle_samples(truth=truth)
     model, error = measure.fit(samples)
     assert error == pytest.approx(1.0, abs=1e-6)
     for attr in ("conv_rate", "einsum_rate", "bandwidth", "einsum_bandwidth", "overhead"):
         assert math.isclose(getattr(model, attr), getattr(truth, attr), rel_tol=1e-6), attr
-    assert (model.channels, model.grouped) == (4, 1.5)
+    assert (model.channels, model.grouped) == (8, 2.0)
 
 
 def test_the_cli_shows_and_refreshes_the_cache(calibrated):
@@ -325,11 +347,11 @@ def test_an_implausible_calibration_is_measured_again_then_not_kept(calibrated, 
 
 
 def test_a_second_measurement_that_is_plausible_is_kept(calibrated, monkeypatch):
-    real, calls = measure.measure, []
+    calls = []
 
     def busy_then_idle(*args, **kwargs):
         calls.append(1)
-        return _busy_samples() if len(calls) == 1 else real(*args, **kwargs)
+        return _busy_samples() if len(calls) == 1 else idle_samples()
     monkeypatch.setattr(calibration, "measure", busy_then_idle)
     found = tnspec.calibrate()
     assert len(calls) == 2 and found.conditions["attempts"] == 2
@@ -414,10 +436,9 @@ def test_a_failed_cache_write_leaves_no_temporary_file(tmp_path, monkeypatch):
 
 def test_calibrate_merges_what_another_process_stored_meanwhile(calibrated, monkeypatch):
     key = calibration.device_key("cpu", torch.float32) + " | mixing batch 8, other process"
-    real = measure.measure
 
     def measure_while_another_process_writes(*args, **kwargs):
-        samples = real(*args, **kwargs)
+        samples = idle_samples()
         data = json.loads(calibrated.read_text()) if calibrated.exists() else {
             "format": calibration.FORMAT, "devices": {}, "choices": {}}
         data["choices"][key] = {"op": "einsum", "seconds": {"conv1x1": 2.0, "einsum": 1.0}}
