@@ -115,7 +115,7 @@ def test_default_torch_compile_of_inline_layers_across_spatial_and_batch_sizes()
                                 torch.nn.ReLU(),
                                 tnspec.layer(spec, c=8, o=8, r0=3, r1=3, kh=3, kw=3))
     compiled = torch.compile(model)
-    for shape in ((2, 8, 16, 16), (2, 8, 12, 12), (3, 8, 20, 20), (5, 8, 9, 7)):
+    for shape in ((2, 8, 16, 16), (3, 8, 12, 12), (5, 8, 9, 7)):
         x = torch.randn(shape)
         torch.testing.assert_close(compiled(x), model(x), rtol=1e-4, atol=1e-5)
 
@@ -165,7 +165,7 @@ def _zoo_model(tmp_path, monkeypatch, kind: str) -> torch.nn.Module:
 def test_default_torch_compile_of_every_lowering_pattern_across_sizes(tmp_path, monkeypatch,
                                                                       kind):
     """Default torch.compile (Inductor; dynamic shapes from the second size on) of inline and
-    generated layers matches eager, forward and backward, at 4 spatial and batch sizes. At
+    generated layers matches eager, forward and backward, at 3 spatial and batch sizes. At
     these sizes the cost model mixes channels by einsum; "1x1" forces 1x1 convs, 1-D over the
     flattened axes for a contiguous input, 2-D for a channels-last one."""
     torch._dynamo.reset()
@@ -180,7 +180,7 @@ def test_default_torch_compile_of_every_lowering_pattern_across_sizes(tmp_path, 
     # Inductor's on-disk graph cache can hand one size's kernels to another shape
     # (seen with torch 2.13 even for a plain nn.Conv2d); compile afresh here
     with torch._inductor.config.patch(force_disable_caches=True):
-        for shape in ((2, 8, 16, 16), (2, 8, 12, 12), (3, 8, 20, 20), (5, 8, 9, 7)):
+        for shape in ((2, 8, 16, 16), (3, 8, 12, 12), (5, 8, 9, 7)):
             x = torch.randn(shape)
             if last:
                 x = x.contiguous(memory_format=torch.channels_last)
