@@ -39,7 +39,8 @@ from .progress import Progress
 
 FORMATS = ("tucker2", "tt", "tr", "cp")
 SHARES = (0.05, 0.1, 0.2, 0.35, 0.5, 0.75)
-FIT = {"starts": 1, "hops": 0, "max_iter": 30, "tol": 1e-4, "max_seconds": 20.0}
+FIT = {"starts": 1, "hops": 0, "max_iter": 30, "tol": 1e-4, "max_seconds": 10.0,
+       "sweeps": 5}
 Timer = Callable[[nn.Module, tuple[int, ...]], float]
 
 
