@@ -184,6 +184,25 @@ def test_bad_arguments_are_clear_errors():
         tnspec.compress(_model(), 0.5, latency=True)
     with pytest.raises(tnspec.SpecError, match="no layer to compress"):
         tnspec.compress(_model(), 0.5, include="nothing")
+    with pytest.raises(tnspec.SpecError, match="fit= has no option 'iterations'"):
+        tnspec.compress(_model(), 0.5, fit={"iterations": 3})
+
+
+def test_a_few_sweeps_before_the_float32_refit_reach_the_float64_fit():
+    """compress's quick data fit (``sweeps=5``: the weight-only start stops after 5 ALS
+    sweeps; the refit runs in float32 for a float32 weight) is as good as the full one."""
+    torch.manual_seed(0)
+    conv = nn.Conv2d(16, 16, 3, padding=1)
+    x = torch.randn(64, 16, 8, 8) * torch.logspace(0, -2, 16).view(1, 16, 1, 1)
+    errors = []
+    for weight, sweeps in ((conv.weight.detach(), 5), (conv.weight.detach().double(), None)):
+        layer = formats.cp(16, 16, 3, rank=0.3, padding=1).layer().to(weight.dtype)
+        errors.append(layer.fit_(weight, inputs=x.to(weight.dtype)) if sweeps is None else
+                      layer._fit(weight, moments.of_inputs(conv, x), sweeps=sweeps,
+                                 max_seconds=None))
+    assert errors[0] < 1.1 * errors[1]
+    with pytest.raises(tnspec.SpecError, match="sweeps=0 must be an int >= 1"):
+        tnspec.decompose.fit(layer.network, conv.weight.detach(), sweeps=0)
 
 
 def test_the_report_plots_each_layers_candidates(tmp_path):

@@ -153,7 +153,8 @@ def compress(model: nn.Module, budget: float = 0.25, formats: Sequence[str] = FO
     input), run through the model (eval mode, no grad, at most ``max_batches``) to record what
     reaches each layer; each candidate is then fitted to the layer's outputs, and each layer's
     sensitivity measured. ``fit``: options of :meth:`Layer.fit_` (by default one start, no
-    hops, at most 30 sweeps stopping at a gain under 0.01%, 20 s a fit). ``latency=True``
+    hops, at most 30 sweeps stopping at a gain under 0.01%, 10 s a fit; with ``data``, 5 ALS
+    sweeps before the refit, ``sweeps`` of :func:`tnspec.decompose.fit`). ``latency=True``
     (needs ``data``) times every candidate and the dense layer, forward and backward, on the
     input shape the layer saw, and drops candidates slower than dense; ``timer(module,
     shape) -> seconds`` replaces that timing.
@@ -167,6 +168,10 @@ def compress(model: nn.Module, budget: float = 0.25, formats: Sequence[str] = FO
                         hint="a number in (0, 1], e.g. budget=0.25")
     if latency and data is None:
         raise SpecError("latency=True needs data= (the input shapes to time)")
+    unknown = sorted(set(fit or {}) - set(FIT))
+    if unknown:
+        raise SpecError(f"fit= has no option {unknown[0]!r}",
+                        hint=f"the options are {', '.join(FIT)}")
     options = {**FIT, **dict(fit or {})}
     left_alone = {**_read_directly(model), **_tied(model)}
     layers, skipped = [], []

@@ -189,9 +189,10 @@ def refit(net: Network, weight: Tensor, cores: Mapping[str, Tensor], metric: Ten
     eigenvalue: L-BFGS on all cores at once, from ``cores`` (the weight-only fit). The damping
     (1%, as GPTQ's) anchors the directions the sample inputs do not reach, which a fit to
     few samples would otherwise leave free. It runs in ``dtype`` (float32 is about twice as
-    fast as float64 and reached the same errors to 3 digits) and returns float64 cores. ALS is not used here, because in the data metric
-    a core's input and kernel indices no longer separate and its normal equations grow by
-    the kernel size squared (measured 10-60x slower than the weight-only fit)."""
+    fast as float64 and reached the same errors to 3 digits) and returns float64 cores. ALS
+    is not used here, because in the data metric a core's input and kernel indices no longer
+    separate and its normal equations grow by the kernel size squared (measured 10-60x
+    slower than the weight-only fit)."""
     groups, per, _ = metric.shape
     w = weight.detach().to(dtype).reshape(groups, -1, per)
     if w.shape[1] * groups * per != weight.numel():
