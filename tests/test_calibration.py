@@ -189,16 +189,15 @@ def test_layers_time_their_candidate_orders_once_and_keep_the_fastest_in_the_cac
     monkeypatch.setattr(calibration, "time_mixing",
                         lambda step, device, dtype, repeats: {"conv1x1": 1.0, "einsum": 2.0})
     timed = []
-    real = tnspec.Layer._time
-
     layouts = []
 
     def count(self, classes, shape, repeats, channels_last=False):
-        # one entry per layer and layout that timed (a lead is confirmed in a second call)
+        # one entry per layer and layout that timed; the model's order is fastest, so that
+        # a new process has nothing to re-check (see the fake-clock tests below for that)
         if (self, channels_last) not in [(s, c) for s, c, _ in timed]:
             timed.append((self, channels_last, len(classes)))
             layouts.append(channels_last)
-        return real(self, classes, shape, repeats, channels_last)
+        return [1.0] + [1.5] * (len(classes) - 1)
     monkeypatch.setattr(tnspec.Layer, "_time", count)
     x = torch.randn(4, 16, 8, 8)
     layer = tnspec.layer(TUCKER2, c=16, o=16, r0=2, r1=3, kh=3, kw=3)
@@ -238,12 +237,11 @@ def test_an_order_timed_among_other_code_is_timed_again(calibrated, monkeypatch)
     monkeypatch.setattr(calibration, "time_mixing",
                         lambda step, device, dtype, repeats: {"conv1x1": 1.0, "einsum": 2.0})
     timed = []
-    real = tnspec.Layer._time
 
     def count(self, classes, *args):
-        if not any(layer is self for layer in timed):  # a lead is confirmed in a second call
+        if not any(layer is self for layer in timed):
             timed.append(self)
-        return real(self, classes, *args)
+        return [1.0] + [1.5] * (len(classes) - 1)  # the model's order: nothing to re-check
     monkeypatch.setattr(tnspec.Layer, "_time", count)
     x = torch.randn(4, 16, 8, 8)
     tnspec.layer(TUCKER2, c=16, o=16, r0=2, r1=3, kh=3, kw=3)(x)
@@ -540,3 +538,78 @@ def test_export_before_any_call_measures_nothing_under_fake_tensors(calibrated, 
     exported = torch.export.export(layer, (x,))
     monkeypatch.undo()
     torch.testing.assert_close(exported.module()(x), layer(x), rtol=1e-4, atol=1e-5)
+
+
+def _fake_clock(monkeypatch, lead: list[float]) -> list[int]:
+    """``Layer._time`` replaced: the model's order (the first class) takes 1 s, every other
+    ``lead[0]`` s (a list, so that a test can change it between calls). Returns the number
+    of classes of each call."""
+    calls = []
+
+    def fake(self, classes, shape, repeats, channels_last=False):
+        calls.append(len(classes))
+        return [1.0] + [lead[0]] * (len(classes) - 1)
+    monkeypatch.setattr(tnspec.Layer, "_time", fake)
+    monkeypatch.setattr(calibration, "time_mixing",
+                        lambda step, device, dtype, repeats: {"conv1x1": 1.0, "einsum": 2.0})
+    return calls
+
+
+def _orders(path) -> list[dict]:
+    return [v for v in json.loads(path.read_text())["choices"].values() if "order" in v]
+
+
+def test_a_recalled_order_that_leads_no_more_is_dropped_within_the_process(
+        calibrated, monkeypatch):
+    """A choice measured once (on a busy machine, say) must not persist: a process that
+    recalls an order other than the model's times the two once, and where the lead is gone
+    runs the model's order and writes that to the cache; the next process trusts it."""
+    tnspec.calibrate()
+    lead = [0.5]
+    calls = _fake_clock(monkeypatch, lead)
+    x = torch.randn(4, 16, 8, 8)
+    first = tnspec.layer(TUCKER2, c=16, o=16, r0=2, r1=3, kh=3, kw=3)
+    model_order = runtime.source_of(first._planned((4, 16, 8, 8)).forward)
+    first(x)
+    (entry,), timed = _orders(calibrated), len(calls)
+    assert timed == 2 and calls[1] == 2  # a lead is confirmed in a second set of rounds
+    assert entry["order"] != next(iter(entry["candidates"])) and entry["seconds"] == 0.5
+    assert set(entry["candidates"].values()) == {1.0, 0.5} and entry["when"] > 0
+    calibration.forget()  # a new process, on a machine where the lead is gone
+    lead[0] = 0.97
+    again = tnspec.layer(TUCKER2, c=16, o=16, r0=2, r1=3, kh=3, kw=3)
+    again(x)
+    assert calls[timed:] == [2]  # the recalled order against the model's, once
+    assert runtime.source_of(again._last_class.forward) == model_order
+    (entry,) = _orders(calibrated)
+    assert entry["order"] == next(iter(entry["candidates"])) and "led no more" in \
+        entry["dropped"]
+    calibration.forget()
+    tnspec.layer(TUCKER2, c=16, o=16, r0=2, r1=3, kh=3, kw=3)(x)
+    assert len(calls) == timed + 1  # the model's order is recalled without timing
+
+
+def test_a_recalled_lead_that_holds_is_kept_and_checked_once_a_process(calibrated, monkeypatch):
+    tnspec.calibrate()
+    calls = _fake_clock(monkeypatch, [0.5])
+    x = torch.randn(4, 16, 8, 8)
+    tnspec.layer(TUCKER2, c=16, o=16, r0=2, r1=3, kh=3, kw=3)(x)
+    (chosen,) = _orders(calibrated)
+    calibration.forget()
+    for r1 in (3, 3):  # two layers of one spec in one process: one check
+        tnspec.layer(TUCKER2, c=16, o=16, r0=2, r1=r1, kh=3, kw=3)(x)
+    assert calls == [calls[0], 2, 2] and _orders(calibrated) == [chosen]
+
+
+def test_a_lead_measured_on_a_busy_machine_runs_but_is_not_kept(calibrated, monkeypatch):
+    tnspec.calibrate()
+    calls = _fake_clock(monkeypatch, [0.5])
+    monkeypatch.setattr(calibration, "others_running", lambda: 2 * (os.cpu_count() or 1))
+    layer = tnspec.layer(TUCKER2, c=16, o=16, r0=2, r1=3, kh=3, kw=3)
+    layer(torch.randn(4, 16, 8, 8))
+    assert runtime.source_of(layer._last_class.forward) != \
+        runtime.source_of(layer._planned((4, 16, 8, 8)).forward)  # the faster order runs
+    assert _orders(calibrated) == [] and len(calls) == 2
+    _fake_clock(monkeypatch, [0.99])  # no lead: the model's order is kept, busy or not
+    tnspec.layer(TUCKER2, c=16, o=16, r0=2, r1=4, kh=3, kw=3)(torch.randn(4, 16, 8, 8))
+    assert len(_orders(calibrated)) == 1

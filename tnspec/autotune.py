@@ -10,6 +10,7 @@ these functions with itself; they read its network, sizes, cores and planning se
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
@@ -31,7 +32,11 @@ def fastest(layer: Any, shape: tuple[int, ...], channels_last: bool = False,
     model's order stays unless another is measured at least 10% faster
     (``calibration.MARGIN``), in the first rounds and again in as many more
     against the model's order alone; an order the cost model prices at more than
-    ``calibration.PRUNE`` times the cheapest is not timed. Timing uses its own random
+    ``calibration.PRUNE`` times the cheapest is not timed. A lead measured while as many
+    other threads ran as there are CPUs is used but not kept in the cache; a recalled order
+    other than the model's is timed against it once a process (``RECHECK_REPEATS`` rounds),
+    and where its lead is gone the model's order runs and replaces it in the cache, so that
+    a choice measured on a busy machine does not persist. Timing uses its own random
     generator and gradients, so that the global RNG, ``no_grad``, ``inference_mode`` and
     frozen cores are left as they are. Returns the class, the plan whose order it runs,
     and what was done in words."""
@@ -65,10 +70,23 @@ def fastest(layer: Any, shape: tuple[int, ...], channels_last: bool = False,
     device, dtype = layer._where()
     kept = calibration.measures(device)
     found = calibration.recall(device, dtype, what) if kept else None
-    classes = [cls for cls, _ in candidates.values()]
+    keys, classes = list(candidates), [cls for cls, _ in candidates.values()]
     code = runtime.fingerprint(*classes)
     if found is not None and found.get("order") in candidates and found.get("code") == code:
         # timed among the very same code
+        k = keys.index(found["order"])
+        if k and what not in calibration.rechecked:
+            # another order than the model's: it must still lead here, once a process
+            calibration.rechecked.add(what)
+            again = layer._time([classes[0], classes[k]], shape, RECHECK_REPEATS,
+                                channels_last)
+            if not again[1] < calibration.MARGIN * again[0]:
+                if not _busy(device):  # on a busy machine: not kept either way
+                    calibration.remember(device, dtype, what, {
+                        **found, "order": keys[0], "seconds": again[0], "when": time.time(),
+                        "dropped": f"{keys[k]} led no more ({again[1] / again[0]:.2f}x)"})
+                return (*candidates[keys[0]], "recalled order re-checked, led no more: the "
+                        "model's order runs")
         return (*candidates[found["order"]], "order recalled from the calibration cache")
     seconds = layer._time(classes, shape, repeats, channels_last)
     best = min(range(len(seconds)), key=seconds.__getitem__)
@@ -78,11 +96,26 @@ def fastest(layer: Any, shape: tuple[int, ...], channels_last: bool = False,
         seconds[best] = max(seconds[best], again[1] * seconds[0] / again[0])
     if seconds[best] >= calibration.MARGIN * seconds[0]:
         best = 0  # the model's order, which `tnspec compile` writes, unless clearly slower
-    if kept:
+    busy = bool(best) and _busy(device)
+    if kept and not busy:
+        # a lead measured while other threads took the CPUs runs here but is not kept: the
+        # next process times again (the model's order is kept, busy or not: it is the default)
         calibration.remember(device, dtype, what, {
-            "order": list(candidates)[best], "code": code, "seconds": seconds[best]})
+            "order": keys[best], "code": code, "seconds": seconds[best],
+            "candidates": dict(zip(keys, seconds)), "when": time.time()})
     return (*list(candidates.values())[best],
-            f"timed {len(classes)} candidate orders forward and backward")
+            f"timed {len(classes)} candidate orders forward and backward" +
+            (" (other threads took the CPUs: the choice is not kept)" if busy else ""))
+
+
+def _busy(device: torch.device) -> bool:
+    """Whether as many other threads run as there are CPUs (a CPU device only)."""
+    others = calibration.others_running() if device.type == "cpu" else None
+    return others is not None and others >= (os.cpu_count() or 1)
+
+
+#: rounds of the once-a-process check of a recalled order that is not the model's
+RECHECK_REPEATS = 3
 
 
 def time_orders(layer: Any, classes: list[type], shape: tuple[int, ...], repeats: int,

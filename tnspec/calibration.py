@@ -113,6 +113,8 @@ def _cpu_name() -> str:
 
 _memory: dict[str, CostModel] = {}
 _choices: dict[str, dict[str, Any]] | None = None  # the file's measured choices, read once
+#: recalled choices this process has timed again (see ``autotune.fastest``)
+rechecked: set[str] = set()
 
 
 def measures(device: torch.device | str) -> bool:
@@ -257,6 +259,7 @@ def forget() -> None:
     (for tests, and after editing the file by hand)."""
     global _choices
     _memory.clear()
+    rechecked.clear()
     _choices = None
     cache.forget()
 
