@@ -124,10 +124,7 @@ def fit(net: Network, weight: Tensor, *, max_iter: int = 200, tol: float = 1e-7,
     if not torch.isfinite(weight).all():
         raise SpecError("the weight to fit has NaN or infinite entries")
     check_options(max_iter=max_iter, tol=tol, starts=starts, hops=hops,
-                  max_seconds=max_seconds)
-    if sweeps is not None and (isinstance(sweeps, bool) or not isinstance(sweeps, int) or
-                               sweeps < 1):
-        raise SpecError(f"sweeps={sweeps!r} must be an int >= 1, or None for max_iter")
+                  max_seconds=max_seconds, sweeps=sweeps)
     precision = torch.promote_types(weight.dtype, torch.float32)
     refit_iter, max_iter = max_iter, max_iter if metric is None or sweeps is None else sweeps
     began = time.monotonic()
@@ -249,7 +246,8 @@ def _trainable_zero(net: Network, w: Tensor, stds: Mapping[str, float]) -> dict[
 
 
 def check_options(*, max_iter: int = 200, tol: float = 1e-7, starts: int = 4, hops: int = 64,
-                  max_seconds: float | None = None) -> None:
+                  max_seconds: float | None = None,
+                  sweeps: int | None = None) -> None:
     """Raise :class:`SpecError` unless these are options :func:`fit` takes."""
     if not (isinstance(max_iter, int) and max_iter >= 1 and isinstance(starts, int) and
             starts >= 1 and isinstance(hops, int) and hops >= 0 and tol >= 0):
@@ -260,3 +258,6 @@ def check_options(*, max_iter: int = 200, tol: float = 1e-7, starts: int = 4, ho
                                     not max_seconds > 0):
         raise SpecError(f"max_seconds={max_seconds!r} must be a positive number of seconds, "
                         "or None for no limit")
+    if sweeps is not None and (isinstance(sweeps, bool) or not isinstance(sweeps, int) or
+                               sweeps < 1):
+        raise SpecError(f"sweeps={sweeps!r} must be an int >= 1, or None for max_iter")
