@@ -163,8 +163,17 @@ class _Checker:
         self.core_names = core_names
         indices = tuple(self.index(name, role, env, net) for name, role in roles.items())
         self.groups_sized(net, env)
+        if net.lookup is not None:
+            self.lookup(net, roles, env, options)
+            given = {o.key for o in self.layer.options}  # an embedding: linear, no bias
+            options = replace(options, activation="linear" if "activation" not in given
+                              else options.activation, bias="bias" in given and options.bias)
+        elif options.padding_idx is not None or options.num_embeddings is not None:
+            self.error("padding_idx and num_embeddings need an index input", data.span,
+                       f"write the input as {data.name}[...] in (v0 v1 ...), or drop them")
         network = Network(data_t, core_tensors, result_t, indices,
-                          tuple(c for c, _ in convs), self.layer.name, options)
+                          tuple(c for c, _ in convs), self.layer.name, options,
+                          lookup=net.lookup is not None)
         if not self.errors:
             for core, node in zip(core_tensors, cores):
                 n = network.core_numel(core)
@@ -180,6 +189,36 @@ class _Checker:
                            f"elements, more than the limit of {self.max_elements:,}",
                            result.span, "lower the output sizes, or set bias: false")
         return network
+
+    def lookup(self, net: NetworkNode, roles: dict[str, Role], env: dict[str, int],
+               opts: Options) -> None:
+        """An index input: its axes are lookup positions, which the output repeats first; its
+        modes are sized and carried by cores only; the vocabulary options fit them."""
+        data, ix, out = net.operands[0], net.lookup, net.output
+        assert ix is not None
+        axes = data.indices[:-1]
+        for axis in axes:
+            if axis.kind != "name" or roles.get(axis.names[0]) is not Role.BATCH:
+                self.error(f"axis {axis.text} of the index input {data.name!r} is not a lookup "
+                           "position", axis.span, "an index input's axes are carried by the "
+                           "output only; the modes after 'in' are what the cores read")
+        if [a.names for a in out.indices[:len(axes)]] != [a.names for a in axes]:
+            self.error(f"the output {out.name!r} must start with the axes of the index input",
+                       out.span, f"write {out.name}[{', '.join(a.text for a in axes)}, ...]")
+        for n in ix.names:
+            if roles.get(n) is not Role.INPUT_MODE:
+                self.error(f"index mode {n!r} must be carried by a core and not by the output",
+                           ix.span, f"add {n!r} to a core, e.g. G[{n}, d, r]")
+            elif n not in env:
+                self.error(f"index mode {n!r} has no size", ix.span,
+                           f"give {n}=<size>: the data's integers cannot tell it")
+        modes = math.prod(env.get(n, 1) for n in ix.names)
+        for key, limit in (("num_embeddings", modes), ("padding_idx",
+                                                       (opts.num_embeddings or modes) - 1)):
+            value = getattr(opts, key)
+            if value is not None and value > limit:
+                self.error(f"{key}={value} is out of range for modes of {modes:,} indices",
+                           ix.span, f"{key} is at most {limit:,}")
 
     def operand_names(self, net: NetworkNode) -> None:
         seen: dict[str, OperandNode] = {}

@@ -29,9 +29,9 @@ from .ir import Formula, Network
 from .lines import (INDENT, WIDTH, comment, if_block, raise_block, spec_lines, wrap_assign,
                     wrap_call, wrap_line)
 from .lower import from_cores
-from .program import (Bias, Call, CheckShape, CompileCopy, Let, Namer, Node, Param, Program,
-                      Relayout, Require, Unpack, Var)
-from .shapes import Size, geometry, nn_attributes
+from .program import (Bias, Call, CheckIndex, CheckShape, CompileCopy, Let, Namer, Node, Param,
+                      Program, Relayout, Require, Unflatten, Unpack, Var)
+from .shapes import Size, embedding_attributes, geometry, nn_attributes
 
 _MODULE_NAMES = frozenset({"F", "nn", "torch"})  # the generated module's imports
 
@@ -132,8 +132,10 @@ class _Class:
         items = [f"{n!r}: {self.ctor(n)}" for n in net.sizes if not net.index(n).runtime]
         lines += wrap_call(f"{i2}self.sizes = {{", items, "}")
         geo = geometry(net)
-        if geo is not None:  # the attributes code reads off nn.Conv2d / nn.Linear
-            for key, value in nn_attributes(geo, self.ctor).items():
+        if geo is not None:  # the attributes code reads off nn.Conv2d / nn.Linear / nn.Embedding
+            attributes = embedding_attributes(net, self.ctor) if net.lookup else \
+                nn_attributes(geo, self.ctor)
+            for key, value in attributes.items():
                 lines += wrap_line(f"{i2}self.{key} = {_code(value)}")
         for core in net.cores:
             shape = [self.ctor(i) for i in core.indices] or ["()"]
@@ -320,7 +322,32 @@ def statement(node: Node, indent: str) -> list[str]:
         tail = f"  # {node.comment}" if node.comment else ""
         return [line + tail] if len(line + tail) <= WIDTH else \
             comment(node.comment, indent) + [line]
+    if isinstance(node, CheckIndex):
+        return _check_index(node, indent)
+    if isinstance(node, Unflatten):
+        dims = ", ".join(str(d) for d in node.dims)
+        return wrap_line(f"{indent}{node.out} = {node.var}.reshape(list({node.like}.shape) + "
+                         f"[{dims}])")
     raise TypeError(f"codegen cannot print {type(node).__name__}")  # pragma: no cover
+
+
+def _check_index(node: CheckIndex, indent: str) -> list[str]:
+    v, i2, i3 = node.var, indent + INDENT, indent + INDENT * 2
+    lines = [f"{indent}if {v}.is_floating_point() or {v}.is_complex() or "
+             f"{v}.dtype == torch.bool:",
+             f'{i2}raise TypeError(f"{node.tensor}: expected integer indices, got '
+             f'{{{v}.dtype}}")']
+    if node.dims is not None:
+        lines += if_block(f"{v}.dim() != {node.dims}", indent) + raise_block(
+            f"{node.tensor}: expected {node.dims} axes of indices, got {{{v}.dim()}}", i2)
+    vocab = str(node.vocabulary)
+    return lines + [
+        f"{indent}if not torch.jit.is_scripting() and not torch.compiler.is_compiling():",
+        f"{i2}# eager only: reading the bounds would stop a trace (index_select checks them)",
+        f"{i2}if {v}.numel() and (bool({v}.min() < 0) or bool({v}.max() >= {vocab})):",
+        f'{i3}raise IndexError(f"{node.tensor}: indices lie in [0, {{{vocab}}}), got "',
+        f'{i3}                 f"{{int({v}.min())}}..{{int({v}.max())}}")']
+
 
 
 def _call(node: Call, indent: str) -> list[str]:

@@ -80,6 +80,18 @@ def core_inits(net: Network, init: str | None = None) -> tuple[CoreInit, ...]:
     init = init or opts.init
     p = activation_scale(opts)
     method = "normal" if opts.distribution == "normal" else "uniform"
+    if net.lookup and init in ("graph-in", "graph-out", "graph-avg"):
+        if init != "graph-in":
+            raise SpecError(f"init {init!r} needs the gradient of the input, and an index "
+                            "input has none", hint="use init 'graph-in' for an index input")
+        # the one-hot input sums exactly one row: Var(y) = prod Var(W_c) * (the sums other
+        # than the modes), as nn.Embedding's N(0, 1) rows when p_a = 1
+        modes = set(net.input.axes[-1])
+        summed = tuple(i for i in backbone(net, "in").summed if i not in modes)
+        return tuple(CoreInit(c.name, method, ((p, summed),), -w / 2,
+                              f"graph-in, index input: prod Var(W) = 1 / ({p:g} * "
+                              f"{'*'.join(summed) or '1'}); share of {c.name}: {w:.3g}")
+                     for c, w in zip(net.cores, _weights(net)))
     if init in ("graph-in", "graph-out", "graph-avg"):
         s_in = backbone(net, "in")
         s_out = backbone(net, "out", exact_stride=opts.stride_count == "exact")

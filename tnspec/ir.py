@@ -124,6 +124,10 @@ class Options:
     distribution: str = "normal"
     stride_count: str = "paper"  # "exact": graph-out counts K/s taps on a strided axis
     init_weights: tuple[tuple[str, float], ...] = ()  # relative shares of prod Var, by core
+    # an index input only: the row whose output is zero and gets no gradient, and the
+    # vocabulary when it is smaller than the product of the modes (None: that product)
+    padding_idx: int | None = None
+    num_embeddings: int | None = None
 
 
 #: a size formula: ("int", 3), ("name", "k"), or ("chain", operators, formulas): the formulas
@@ -144,6 +148,9 @@ class Network:
     #: for an inline expression every given size is a parameter
     params: tuple[tuple[str, int], ...] = ()
     derived: tuple[tuple[str, Formula], ...] = ()
+    #: an index input (``x[b] in (v0 v1)``): the data holds integers into the modes of its
+    #: last axis, the one-hot input the network contracts, which is never built
+    lookup: bool = False
 
     # ---- lookups ----------------------------------------------------------------------------
 
@@ -175,11 +182,24 @@ class Network:
     @property
     def spec(self) -> str:
         """The canonical one-line expression, without sizes."""
+        def axis(names: tuple[str, ...]) -> str:
+            return names[0] if len(names) == 1 else "(" + " ".join(names) + ")"
+
         def operand(t: Tensor) -> str:
-            axes = [axis[0] if len(axis) == 1 else "(" + " ".join(axis) + ")" for axis in t.axes]
-            return f"{t.name}[{', '.join(axes)}]"
-        return ", ".join(operand(t) for t in (self.input, *self.cores)) + " -> " + \
+            return f"{t.name}[{', '.join(axis(a) for a in t.axes)}]"
+        data = operand(self.input)
+        if self.lookup:
+            data = operand(replace(self.input, axes=self.input.axes[:-1])) + \
+                " in " + axis(self.input.axes[-1])
+        return ", ".join([data] + [operand(t) for t in self.cores]) + " -> " + \
             operand(self.output)
+
+    @property
+    def vocabulary(self) -> int:
+        """An index input's number of valid indices (``num_embeddings``, default the product
+        of its modes)."""
+        modes = math.prod(self.sizes[i] for i in self.input.axes[-1])
+        return self.options.num_embeddings or modes
 
     def core_numel(self, core: Tensor) -> int:
         """Elements of ``core`` at the bound sizes."""

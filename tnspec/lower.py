@@ -18,6 +18,7 @@ from dataclasses import replace
 from typing import Any, Sequence
 
 from .ir import Network, Role
+from .lookup import LookupPlan, lower_lookup
 from .plan import Plan, Step
 from .program import (Arg, Bias, Builder, Call, CheckShape, CompileCopy, Let, Param, Program,
                       Relayout, Require, Unpack, Var, prune, rename)
@@ -30,6 +31,8 @@ def lower(plan: Plan, channels_last: bool = False, convert: bool = False) -> Pro
     ``convert``: the program converts its input to channels-last, runs laid out for that and
     hands its result back contiguous (1x1 convolutions over a channels-last tensor can take
     half the time; whether that pays for the two copies is for the autotuner to measure)."""
+    if isinstance(plan, LookupPlan):
+        return lower_lookup(plan)
     return _Lowering(plan, channels_last or convert, convert).program()
 
 

@@ -28,7 +28,8 @@ from .lower import Program, bias_shape, lower
 from .measure import size_class
 from .plan import PLANNERS, Plan, plan
 from .settings import positive_limit
-from .shapes import bind_shape, example_shape, geometry, guard_bytes, nn_attributes
+from .shapes import (bind_shape, embedding_attributes, example_shape, geometry, guard_bytes,
+                     nn_attributes)
 
 __all__ = ["Layer"]
 
@@ -80,7 +81,10 @@ class Layer(nn.Module):
                                                for i in axes[0])
         self._spatial = tuple(k for k, axis in enumerate(axes)  # input axes a conv slides on
                               if any(network.index(i).role is Role.SPATIAL_IN for i in axis))
-        if geo is not None:  # in_channels, kernel_size, ... as nn.Conv2d / nn.Linear have
+        if network.lookup:  # num_embeddings, ... as nn.Embedding has
+            self.__dict__.update(embedding_attributes(network, self.sizes.__getitem__))
+            self._unbatched_dims, self._spatial = -1, ()
+        elif geo is not None:  # in_channels, kernel_size, ... as nn.Conv2d / nn.Linear have
             self.__dict__.update(nn_attributes(geo, self.sizes.__getitem__))
         self._drop_code()
         self.reset_parameters()
@@ -120,10 +124,21 @@ class Layer(nn.Module):
         it): the ``planner``'s order, or, where the layer autotunes, the order timed fastest
         (timed now if that shape was not run yet)."""
         shape = tuple(int(n) for n in shape)
+        if self.network.lookup:  # the shape of the indices
+            shape = self._lookups(shape)
         key = self._key(shape, False)
         if key not in self._plans and self._tunes():
             self._class(shape)
         return self._plans[key][1] if key in self._plans else self._plan(shape)
+
+    def _lookups(self, shape: Sequence[int]) -> tuple[int, ...]:
+        """The planned shape of an index input of ``shape``: its axes (any number where the
+        spec writes one: their product) and the modes' one-hot axis."""
+        written = len(self.network.input.axes) - 1
+        modes = math.prod(self.sizes[i] for i in self.network.input.axes[-1])
+        if written == 1:
+            return (math.prod(shape), modes)
+        return (*shape, modes) if len(shape) == written else tuple(shape)
 
     def _plan(self, shape: tuple[int, ...]) -> Plan:
         return plan(bind_shape(self.network, shape), self.planner, max_bytes=self.max_bytes,
@@ -154,13 +169,24 @@ class Layer(nn.Module):
         return lower(self.plan(shape), channels_last)
 
     def dense_weight(self) -> torch.Tensor:
-        """The equivalent dense weight, differentiable in the cores: ``(out, in // groups,
+        """The equivalent dense weight, differentiable in the cores: for an index input the
+        ``(num_embeddings, embedding_dim)`` table ``nn.Embedding`` holds (the ``padding_idx``
+        row zero, as the layer reads it); else ``(out, in // groups,
         *kernel)`` as ``nn.Conv1d/2d/3d`` holds it, or ``(out, in)`` as ``nn.Linear``, grouped
         modes flattened row-major as the layer's input and output are. So
         ``F.conv2d(x, layer.dense_weight(), layer.bias, layer.stride, layer.padding,
         layer.dilation, layer.groups)`` equals ``layer(x)``. A SpecError for a network that is
         neither conv-like nor linear-like."""
-        return decompose.dense_weight(self.network, dict(self.named_parameters()))
+        weight = decompose.dense_weight(self.network, dict(self.named_parameters()))
+        if not self.network.lookup:
+            return weight
+        table = weight.t()[:self.network.vocabulary]
+        pad = self.network.options.padding_idx
+        if pad is None:
+            return table
+        keep = torch.ones(table.shape[0], 1, dtype=table.dtype, device=table.device)
+        keep[pad] = 0
+        return table * keep
 
     def fit_(self, weight: torch.Tensor, *, inputs: torch.Tensor | None = None,
              max_iter: int = 200, tol: float = 1e-7, starts: int = 4, hops: int = 64,
@@ -207,7 +233,10 @@ class Layer(nn.Module):
     def source(self, shape: Sequence[int]) -> str:
         """The generated module whose ``forward`` this layer runs for an input of ``shape``:
         the text ``tnspec compile`` writes for that plan."""
-        return runtime.source_of(self._class(tuple(int(n) for n in shape)).forward)
+        shape = tuple(int(n) for n in shape)
+        if self.network.lookup:  # the shape of the indices
+            shape = self._lookups(shape)
+        return runtime.source_of(self._class(shape).forward)
 
     def _class(self, shape: tuple[int, ...], channels_last: bool = False) -> type:
         """The generated class for ``shape``, planned once per size class (and layout: orders
@@ -266,7 +295,8 @@ class Layer(nn.Module):
     def _tunes(self) -> bool:
         """``autotune``, which by default (None) is on where calibration measures; never for a
         planner other than ``auto``: the order asked for is the order that runs."""
-        if self.planner != "auto" or self._tuning_spent >= self.autotune_seconds:
+        if self.planner != "auto" or self._tuning_spent >= self.autotune_seconds or \
+                self.network.lookup:  # a lookup's cut is the cost model's
             return False
         if self.autotune is not None:
             return self.autotune
@@ -313,7 +343,7 @@ class Layer(nn.Module):
                     _autocast("cuda" if x.is_cuda else "cpu") == self._last_autocast:
                 cls = self._last_class  # the hot path: the same shape, layout and precision
             else:
-                shape = tuple(x.shape)
+                shape = self._lookups(x.shape) if self.network.lookup else tuple(x.shape)
                 if len(shape) == self._unbatched_dims:  # planned as a batch of one
                     shape = (1, *shape)
                 last = x.dim() == 4 and not x.is_contiguous() and \

@@ -59,11 +59,14 @@ class OperandNode:
 
 @dataclass(frozen=True)
 class NetworkNode:
-    """``operands[0]`` is the data input, ``operands[1:]`` the cores, ``output`` after ``->``."""
+    """``operands[0]`` is the data input, ``operands[1:]`` the cores, ``output`` after ``->``.
+    ``lookup``: the modes of an index input (``x[b] in (v0 v1)``), also appended to the data
+    operand's indices, so that the checker sees the one-hot input the network contracts."""
 
     operands: tuple[OperandNode, ...]
     output: OperandNode
     span: Span
+    lookup: IndexNode | None = None
 
 
 @dataclass(frozen=True)
@@ -367,8 +370,17 @@ class _Builder:
 
     def network(self, tree: lark.Tree) -> NetworkNode:
         *operands, _arrow, output = tree.children
-        return NetworkNode(tuple(self.operand(o) for o in operands), self.operand(output),
-                           _span(tree))
+        nodes = [self.operand(o) for o in operands if o.data == "operand"]
+        lookup = None
+        if len(operands) > 1 and operands[1].data == "lookup":
+            names = tuple(str(t) for t in operands[1].children)
+            span = _span(operands[1])
+            lookup = IndexNode("name" if len(names) == 1 else "group", names, (),
+                               self.source_text(span), span)
+            data = nodes[0]
+            nodes[0] = OperandNode(data.name, data.name_span, data.indices + (lookup,),
+                                   data.span)
+        return NetworkNode(tuple(nodes), self.operand(output), _span(tree), lookup)
 
     def operand(self, tree: lark.Tree) -> OperandNode:
         name_tok, *indices = tree.children

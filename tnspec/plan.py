@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from .cost import Chooser, CostModel
 from .errors import SpecError
 from .ir import DEFAULT_MAX_BYTES, Network, Role
+from .lookup import plan_lookup
 from .paths import PLANNERS
 from .problem import OPS, Operand, Problem, Split, Step
 from .shapes import guard_bytes
@@ -76,6 +77,8 @@ def plan(net: Network, planner: str = "auto", *, max_bytes: int = DEFAULT_MAX_BY
     if planner not in PLANNERS:
         raise SpecError(f"unknown planner {planner!r}",
                         hint=f"choose one of {', '.join(sorted(PLANNERS))}")
+    if net.lookup:  # an index input: its own planner
+        return plan_lookup(net, model, max_bytes=max_bytes, itemsize=itemsize)  # type: ignore
     problem = Problem(net, model)
     if len(problem.operands) == 1:
         steps: list[Step] = []

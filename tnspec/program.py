@@ -118,7 +118,32 @@ class Relayout:
     comment: str = ""
 
 
-Node = Union[Call, CheckShape, Unpack, Let, Require, Bias, CompileCopy, Relayout]
+@dataclass(frozen=True)
+class CheckIndex:
+    """An index input: raise TypeError unless ``var`` holds integers, ValueError unless it has
+    ``dims`` axes (None: any number), IndexError unless every index lies in
+    ``[0, vocabulary)`` (in eager mode: a traced or scripted module leaves the bounds to
+    ``index_select``)."""
+
+    var: str
+    tensor: str
+    vocabulary: Size
+    dims: int | None = None
+
+
+@dataclass(frozen=True)
+class Unflatten:
+    """``out = var.reshape(list(like.shape) + [dims...])``: per-lookup rows back to the index
+    input's shape."""
+
+    out: str
+    var: str
+    like: str
+    dims: tuple[Size, ...]
+
+
+Node = Union[Call, CheckShape, Unpack, Let, Require, Bias, CompileCopy, Relayout, CheckIndex,
+             Unflatten]
 
 
 @dataclass(frozen=True)
@@ -280,8 +305,11 @@ def reads(node: Node) -> set[str]:
     elif isinstance(node, Bias):
         found.add(node.var)
         visit(node.shape)
-    elif isinstance(node, (CompileCopy, Relayout)):
+    elif isinstance(node, (CompileCopy, Relayout, CheckIndex)):
         found.add(node.var)
+    elif isinstance(node, Unflatten):
+        found |= {node.var, node.like}
+        visit(node.dims)
     return found
 
 
@@ -290,7 +318,7 @@ def prune(nodes: list[Node], result: str) -> tuple[list[Node], set[str]]:
     unused is dropped; checks and the bias stay), and the variables they read."""
     used, kept = {result}, []
     for node in reversed(nodes):
-        if isinstance(node, (Call, Let)) and node.out not in used:
+        if isinstance(node, (Call, Let, Unflatten)) and node.out not in used:
             continue
         if isinstance(node, Bias):
             used.discard(node.out)

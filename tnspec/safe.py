@@ -18,8 +18,8 @@ from typing import Any
 
 from .errors import SpecError
 from .ir import ACTIVATIONS, DISTRIBUTIONS, INITS, STRIDE_COUNTS, Network, Tensor
-from .program import (Bias, Call, CheckShape, CompileCopy, Let, Param, Program, Relayout,
-                      Require, Unpack, Var)
+from .program import (Bias, Call, CheckIndex, CheckShape, CompileCopy, Let, Param, Program,
+                      Relayout, Require, Unflatten, Unpack, Var)
 from .shapes import Size
 
 NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
@@ -115,6 +115,10 @@ def network(net: Any) -> None:
     for core, share in o.init_weights:
         _name(core, "init_weights core")
         _number(share, f"init_weights[{core!r}]")
+    _int(o.padding_idx, "padding_idx", allow_none=True)
+    _int(o.num_embeddings, "num_embeddings", allow_none=True)
+    if not isinstance(net.lookup, bool):
+        raise SpecError(f"lookup {net.lookup!r} is not a bool", hint=_HINT)
 
 
 def _number(value: Any, what: str) -> None:
@@ -190,6 +194,17 @@ def _node(node: Any) -> None:
     elif isinstance(node, (CompileCopy, Relayout)):
         _name(node.var, "variable")
         _comment(node.comment)
+    elif isinstance(node, CheckIndex):
+        _name(node.var, "variable")
+        _name(node.tensor, "tensor")
+        _size(node.vocabulary)
+        if not (node.dims is None or type(node.dims) is int):
+            raise SpecError(f"codegen cannot print the axis count {node.dims!r}")
+    elif isinstance(node, Unflatten):
+        for v in (node.out, node.var, node.like):
+            _name(v, "variable")
+        for size in node.dims:
+            _size(size)
     else:
         raise SpecError(f"codegen cannot print a {type(node).__name__}")
 

@@ -7,6 +7,7 @@ can show every error at once.
 from __future__ import annotations
 
 import difflib
+import math
 import operator
 import re
 from typing import Any, Callable
@@ -17,7 +18,8 @@ from .parse import LayerNode, SizeExpr
 
 Report = Callable[[str, "Span | None", "str | None"], None]
 
-_OPTION_KEYS = ("init", "activation", "bias", "distribution", "stride_count")
+_OPTION_KEYS = ("init", "activation", "bias", "distribution", "stride_count", "padding_idx",
+                "num_embeddings")
 #: the activation scale p_a and the leaky_relu slope a (p_a = (1 + a^2) / 2) stay in ranges whose
 #: stds are finite, nonzero floats for any layer size
 SCALE_RANGE = (1e-6, 1e6)
@@ -184,6 +186,12 @@ def option_value(key: str, value: Any, arg: float | None = None) -> Any:
         if value in ("true", "false"):
             return value == "true"
         raise SpecError(f"invalid bias: {value!r}", hint="bias is true or false")
+    if key in ("padding_idx", "num_embeddings"):
+        least = 0 if key == "padding_idx" else 1
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+                not math.isfinite(value) or value != int(value) or value < least or arg is not None:
+            raise SpecError(f"invalid {key}: {value!r}", hint=f"{key} is an integer >= {least}")
+        return int(value)
     choices = {"init": INITS, "distribution": DISTRIBUTIONS, "stride_count": STRIDE_COUNTS}[key]
     if not isinstance(value, str) or value not in choices or arg is not None:
         close = difflib.get_close_matches(str(value), choices, n=1)

@@ -346,6 +346,17 @@ def nn_attributes(g: Geometry, size: Callable[[str], Any]) -> dict[str, Any]:
             "groups": prod(g.groups) if g.groups else 1}
 
 
+def embedding_attributes(net: Network, size: Callable[[str], Any]) -> dict[str, Any]:
+    """The attributes ``nn.Embedding`` has, for a network with an index input (as
+    :func:`nn_attributes`: ints for a layer, source text for generated code)."""
+    written = len(net.input.axes) - 1
+    dims = [size(i) for axis in net.output.axes[written:] for i in axis]
+    modes = [size(i) for i in net.input.axes[-1]]
+    vocabulary = net.options.num_embeddings
+    return {"num_embeddings": _product(modes) if vocabulary is None else vocabulary,
+            "embedding_dim": _product(dims), "padding_idx": net.options.padding_idx}
+
+
 def _product(values: list[Any]) -> Any:
     if all(isinstance(v, int) for v in values):
         return math.prod(values)
