@@ -9,11 +9,13 @@ Stages, one module each, importing only the stages above them: parse (text -> AS
 -> ir.Network, with settings), ir (the data model), shapes (sizes and shape binding), backward
 (the reproducing transformation), analysis (backbone graphs), init (how cores are drawn),
 calibration (the cost model's constants and op choices, measured on the device that runs the
-layer), plan (contraction order, each step's op and axis split), lower (typed program), codegen
+layer), plan (contraction order, each step's op and axis split; lookup plans and lowers an index
+input), lower (typed program), codegen
 (Python source; ``lines`` breaks its lines), runtime (executes generated source: the one
 executor), report (``explain``), api (entry points) and cli (the ``tnspec`` command); around
 them: formats (named formats as spec text), decompose (a layer's dense weight, and fitting any
-network's cores to one), convert (``tensorize`` an existing model), dense (``merge`` back), audit
+network's cores to one), embedding (tensorized ``nn.Embedding``/``EmbeddingBag``), convert
+(``tensorize`` an existing model), dense (``merge`` back), audit
 (variance ratios of any model, layer by layer), draw (the hypergraph as Graphviz DOT), and
 above ``Layer`` the adapters (``adapt``, ``merge_adapters``, ``adapter_state_dict``, ...;
 ``register_peft`` for Hugging Face PEFT).
@@ -32,6 +34,7 @@ from .calibration import Calibration, calibrate
 from .compress import CompressReport, compress
 from .convert import tensorize
 from .dense import merge
+from .embedding import EmbeddingBag, embedding, embedding_bag
 from .errors import SpecError
 from .ir import Conv, Index, Network, Options, Role, Tensor
 from .module import Layer
@@ -42,9 +45,10 @@ from .report import explain
 
 __all__ = [
     "AdaptReport", "Adapted", "Audit", "Backbone", "Calibration", "CompressReport", "Conv",
-    "Index", "Layer", "Network", "Options", "Plan", "Role", "SpecError", "Tensor",
+    "EmbeddingBag", "Index", "Layer", "Network", "Options", "Plan", "Role", "SpecError", "Tensor",
     "__version__", "adapt", "adapter_state_dict", "audit", "backbone", "backward", "calibrate",
-    "compile", "compile_all", "compress", "contract", "disable_adapters", "explain", "formats",
+    "compile", "compile_all", "compress", "contract", "disable_adapters", "embedding", "embedding_bag",
+    "explain", "formats",
     "generate", "layer", "load_adapters", "merge", "merge_adapters", "register_peft",
     "set_adapter", "tensorize",
 ]

@@ -132,9 +132,9 @@ class _Class:
         items = [f"{n!r}: {self.ctor(n)}" for n in net.sizes if not net.index(n).runtime]
         lines += wrap_call(f"{i2}self.sizes = {{", items, "}")
         geo = geometry(net)
-        if geo is not None:  # the attributes code reads off nn.Conv2d / nn.Linear / nn.Embedding
+        if geo is not None or net.lookup:  # what code reads off nn.Conv2d / Linear / Embedding
             attributes = embedding_attributes(net, self.ctor) if net.lookup else \
-                nn_attributes(geo, self.ctor)
+                nn_attributes(geo, self.ctor)  # type: ignore[arg-type]
             for key, value in attributes.items():
                 lines += wrap_line(f"{i2}self.{key} = {_code(value)}")
         for core in net.cores:

@@ -18,6 +18,7 @@ from . import decompose, formats
 from .activations import following_activations
 from .api import _with_options, compile
 from .dense import set_submodule
+from .embedding import EmbeddingBag, embedding
 from .errors import SpecError
 from .module import Layer
 from .progress import Progress
@@ -147,6 +148,23 @@ def tensorize(model: nn.Module, format: str = "tucker2", *, rank: int | float = 
     other: dict[str, int] = {}
     progress = Progress("tensorize")  # a line per layer where a person watches
     for name, module in list(model.named_modules()):
+        if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and \
+                _selected(name, module, include, exclude):
+            try:
+                if name in left_alone:
+                    raise SpecError(left_alone[name])
+                new, fit_error = _embedding(module, format, rank, weights, error, fit_options)
+            except SpecError as exc:
+                skipped.append((name, exc.message))
+                kinds.append(type(module).__name__)
+                continue
+            set_submodule(model, name, new)
+            replaced.append(Replacement(name, repr(module), new.spec if isinstance(new, Layer)
+                                        else new.rows.spec,
+                                        module.weight.numel(),
+                                        sum(p.numel() for p in new.parameters()), "linear",
+                                        "an embedding", fit_error, error))
+            continue
         if not isinstance(module, (nn.Linear, *_CONVS)) or isinstance(module, Layer):
             if not isinstance(module, Layer) and \
                     next(module.parameters(recurse=False), None) is not None:
@@ -189,6 +207,31 @@ def tensorize(model: nn.Module, format: str = "tucker2", *, rank: int | float = 
     after = sum(p.numel() for p in model.parameters())
     return model, Report(format, tuple(replaced), tuple(skipped), before, after, tuple(kinds),
                          tuple(sorted(other.items())))
+
+
+def _embedding(module: nn.Embedding | nn.EmbeddingBag, format: str, rank: int | float,
+               weights: str, error: float | None, fit: Mapping[str, Any]
+               ) -> tuple[nn.Module, float | None]:
+    """The tensorized embedding (or bag) for ``module``, fitted to its table if asked."""
+    if error is not None:
+        raise SpecError("error= chooses ranks for conv and linear layers; an embedding takes "
+                        "rank=")
+    for attr, plain in (("max_norm", None), ("scale_grad_by_freq", False), ("sparse", False),
+                        ("include_last_offset", False)):
+        if getattr(module, attr, plain) != plain:
+            raise SpecError(f"{attr}={getattr(module, attr)!r} has no tensorized counterpart")
+    if type(module).forward not in (nn.Embedding.forward, nn.EmbeddingBag.forward):
+        raise SpecError(f"{type(module).__name__} overrides forward: a layer of its weight "
+                        "would not compute what it does")
+    weight = module.weight
+    rows = embedding(format, module.num_embeddings, module.embedding_dim, rank=rank,
+                     padding_idx=module.padding_idx, dtype=weight.dtype, device=weight.device)
+    fit_error = rows.fit_(weight.detach(), **fit) if weights == "fit" else None
+    new = EmbeddingBag(rows, module.mode) if isinstance(module, nn.EmbeddingBag) else rows
+    new.train(module.training)
+    for p in new.parameters():
+        p.requires_grad_(weight.requires_grad)
+    return new, fit_error
 
 
 def _tied(model: nn.Module) -> dict[str, str]:

@@ -1,5 +1,6 @@
-"""``tnspec.merge``: the way back from tnspec layers to the dense ``nn.Conv1d/2d/3d`` and
-``nn.Linear`` modules computing the same, for deployment where dense is faster."""
+"""``tnspec.merge``: the way back from tnspec layers to the dense ``nn.Conv1d/2d/3d``,
+``nn.Linear``, ``nn.Embedding`` and ``nn.EmbeddingBag`` modules computing the same, for
+deployment where dense is faster."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import warnings
 import torch
 from torch import nn
 
+from .embedding import EmbeddingBag
+from .errors import SpecError
 from .module import Layer
 from .shapes import geometry
 
@@ -26,6 +29,13 @@ def merge(model: nn.Module) -> nn.Module:
     """
     kept = []
     merged: dict[int, nn.Module] = {}  # a layer registered under several names: one module
+    bags = [(n, m) for n, m in model.named_modules(remove_duplicate=False)
+            if isinstance(m, EmbeddingBag)]
+    for name, module in bags:
+        dense = merged.setdefault(id(module), _dense_bag(module))
+        if not name:
+            return dense
+        set_submodule(model, name, dense)
     for name, module in list(model.named_modules(remove_duplicate=False)):
         if not isinstance(module, Layer):
             continue
@@ -48,8 +58,16 @@ def _dense(layer: Layer) -> nn.Module:
     """The ``nn.ConvNd`` or ``nn.Linear`` computing what a conv/linear-like ``layer`` does."""
     weight = layer.dense_weight().detach()
     kind = dict(dtype=weight.dtype, device=weight.device, bias=layer.bias is not None)
+    if layer.network.lookup:
+        if layer.bias is not None:
+            raise SpecError("an embedding with a bias has no nn.Embedding counterpart")
+        dense: nn.Module = nn.Embedding(*weight.shape, padding_idx=layer.padding_idx,
+                                        _weight=weight.clone(), dtype=weight.dtype,
+                                        device=weight.device)
+        dense.weight.requires_grad_(any(p.requires_grad for p in layer.parameters()))
+        return dense.train(layer.training)
     if weight.dim() == 2:
-        dense: nn.Module = nn.Linear(layer.in_features, layer.out_features, **kind)
+        dense = nn.Linear(layer.in_features, layer.out_features, **kind)
     else:
         conv = (nn.Conv1d, nn.Conv2d, nn.Conv3d)[weight.dim() - 3]
         dense = conv(layer.in_channels, layer.out_channels, layer.kernel_size, layer.stride,
@@ -64,6 +82,16 @@ def _dense(layer: Layer) -> nn.Module:
     if layer.bias is not None:
         dense.bias.requires_grad_(layer.bias.requires_grad)
     return dense.train(layer.training)
+
+
+def _dense_bag(bag: EmbeddingBag) -> nn.Module:
+    """The ``nn.EmbeddingBag`` of a tensorized one."""
+    table = _dense(bag.rows)
+    dense = nn.EmbeddingBag(bag.num_embeddings, bag.embedding_dim, mode=bag.mode,
+                            padding_idx=bag.padding_idx, _weight=table.weight.detach().clone(),
+                            dtype=table.weight.dtype, device=table.weight.device)
+    dense.weight.requires_grad_(table.weight.requires_grad)
+    return dense.train(bag.training)
 
 
 def set_submodule(model: nn.Module, name: str, new: nn.Module) -> None:

@@ -118,6 +118,8 @@ def _price(net: Network, cut: tuple[int, ...]) -> LookupPlan | None:
             if set(core.indices) & set(group):
                 if owner.setdefault(core.name, k) != k:
                     return None
+    if len(groups) == 1:  # the whole table: every core joins it (reconstruct-first)
+        owner = {c.name: 0 for c in net.cores}
     cores = {c.name: c for c in net.cores}
     static = tuple(c.name for c in net.cores if c.name not in owner)
     out = [i for axis in net.output.axes[len(net.input.axes) - 1:] for i in axis]

@@ -138,7 +138,10 @@ class Layer(nn.Module):
         modes = math.prod(self.sizes[i] for i in self.network.input.axes[-1])
         if written == 1:
             return (math.prod(shape), modes)
-        return (*shape, modes) if len(shape) == written else tuple(shape)
+        if len(shape) != written:
+            raise ValueError(f"{self.network.input.name}: expected {written} axes of indices, "
+                             f"got {len(shape)}")
+        return (*shape, modes)
 
     def _plan(self, shape: tuple[int, ...]) -> Plan:
         return plan(bind_shape(self.network, shape), self.planner, max_bytes=self.max_bytes,
@@ -177,10 +180,10 @@ class Layer(nn.Module):
         ``F.conv2d(x, layer.dense_weight(), layer.bias, layer.stride, layer.padding,
         layer.dilation, layer.groups)`` equals ``layer(x)``. A SpecError for a network that is
         neither conv-like nor linear-like."""
-        weight = decompose.dense_weight(self.network, dict(self.named_parameters()))
         if not self.network.lookup:
-            return weight
-        table = weight.t()[:self.network.vocabulary]
+            return decompose.dense_weight(self.network, dict(self.named_parameters()))
+        table = decompose.lookup_table(self.network, dict(self.named_parameters()))
+        table = table[:self.network.vocabulary]
         pad = self.network.options.padding_idx
         if pad is None:
             return table
@@ -220,6 +223,21 @@ class Layer(nn.Module):
     def _fit(self, weight: torch.Tensor, metric: torch.Tensor | None, **options: Any) -> float:
         """:meth:`fit_` with the inputs' metric factor (``tnspec.moments``) already built."""
         first = next(iter(self.parameters()))
+        if self.network.lookup:  # a (num_embeddings, embedding_dim) table: the one-hot weight
+            if metric is not None:
+                raise SpecError("inputs= fits the outputs of conv and linear layers; an "
+                                "embedding is fitted to its table", hint="drop inputs=")
+            rows = math.prod(self.sizes[i] for i in self.network.input.axes[-1])
+            if weight.dim() != 2 or weight.shape[0] > rows:
+                raise SpecError(f"fit_ takes the ({self.num_embeddings}, {self.embedding_dim}) "
+                                f"table, got shape {list(weight.shape)}")
+            padded = weight.new_zeros(rows, weight.shape[1])
+            padded[:weight.shape[0]] = weight
+            cores = decompose.fit(self.network, padded.detach().t().to(first.device), **options)
+            with torch.no_grad():
+                for name, tensor in cores.items():
+                    getattr(self, name).copy_(tensor)
+                return decompose.relative_error(self.dense_weight(), weight)
         if metric is not None:
             options["metric"] = metric = metric.to(first.device)
         cores = decompose.fit(self.network, weight.detach().to(first.device), **options)

@@ -254,7 +254,10 @@ def guard_bytes(net: Network, intermediates: Sequence[tuple[str, int]], max_byte
     more than ``max_bytes``: the padded input, each of ``intermediates`` (name, elements), the
     output."""
     sizes = net.sizes
-    tensors = [*intermediates, (f"the padded input {net.input.name}", _padded_input(net)),
+    # an index input is never built one-hot: its modes are not an axis of any tensor
+    data = _padded_input(net) // (math.prod(sizes[i] for i in net.input.axes[-1])
+                                  if net.lookup else 1)
+    tensors = [*intermediates, (f"the padded input {net.input.name}", data),
                (f"the output {net.output.name}", math.prod(sizes[i] for i in net.output.indices))]
     for what, elements in tensors:
         if elements * itemsize > max_bytes:
