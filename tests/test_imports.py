@@ -52,7 +52,9 @@ def test_stages_import_only_what_lies_above_them():
     assert graph["backward"] <= {"ir"}
     assert graph["problem"] <= {"ir", "cost"}
     assert graph["paths"] <= {"ir", "errors", "problem"}
-    assert graph["plan"] <= {"ir", "errors", "cost", "shapes", "problem", "paths"}  # no Lark
+    # an index input is planned and lowered by lookup, which plan and lower hand it to
+    assert graph["plan"] <= {"ir", "errors", "cost", "shapes", "problem", "paths", "lookup"}
+    assert graph["lookup"] <= {"ir", "errors", "cost", "shapes", "program"}  # no Lark
     assert graph["shapes"] <= {"ir", "errors"}
     assert graph["measure"] <= {"cost"}
     assert graph["calibration"] <= {"cache", "cost", "measure", "progress"}
@@ -64,6 +66,7 @@ def test_stages_import_only_what_lies_above_them():
     assert graph["peft_bridge"] <= {"adapters"}
     assert graph["moments"] <= {"errors"}
     assert graph["observe"] <= {"errors", "moments"}
+    assert graph["embedding"] <= {"api", "errors", "formats", "settings"}
     assert graph["compress"] <= {"convert", "dense", "errors", "module", "observe", "progress"}
     assert "__init__" not in set().union(*(d for m, d in graph.items() if m != "__main__"))
 

@@ -28,6 +28,12 @@ from .program import Bias, Builder, CheckIndex, Param, Program, Unflatten, Unpac
 from .shapes import Size, guard_bytes
 
 LOOKUP = "@"  # the per-lookup axis in layouts (no index name can be "@")
+#: the weight of a per-lookup element against a table element in the plan's cost. Timings of
+#: every cut of TT embeddings (10^4-10^6 rows, 4096-16384 lookups, rank 16, 2 CPU threads)
+#: put the gathered 4-D cores of the one-run-per-core cut far behind their size; 2, 3 and 5
+#: here all pick a two-run cut for large vocabularies and the whole table when lookups
+#: outnumber rows. A rough constant: the cut is not timed (see the README, Embeddings)
+PER_LOOKUP = 3
 
 
 @dataclass(frozen=True)
@@ -140,7 +146,10 @@ def _price(net: Network, cut: tuple[int, ...]) -> LookupPlan | None:
     terms = [(LOOKUP, *r.axes) for r in runs] + [cores[n].indices for n in static]
     sizes = {**sizes, LOOKUP: lookups}
     path, cost, largest = _path(terms, (LOOKUP, *out), sizes)
-    elements += sum(lookups * math.prod(sizes[i] for i in r.axes) for r in runs) + largest
+    # per-lookup tensors cost far more than their size: gathered, added back into the cores
+    # in the backward (index_add), and fed to batched products of small matrices
+    elements += PER_LOOKUP * (sum(lookups * math.prod(sizes[i] for i in r.axes)
+                                  for r in runs) + largest)
     return LookupPlan(net, tuple(runs), static, path, flops + cost, elements,
                       lookups * math.prod(sizes[i] for i in out))
 
