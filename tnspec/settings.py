@@ -188,8 +188,8 @@ def option_value(key: str, value: Any, arg: float | None = None) -> Any:
         raise SpecError(f"invalid bias: {value!r}", hint="bias is true or false")
     if key in ("padding_idx", "num_embeddings"):
         least = 0 if key == "padding_idx" else 1
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or \
-                not math.isfinite(value) or value != int(value) or value < least or arg is not None:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or arg is not None \
+                or not math.isfinite(value) or value != int(value) or value < least:
             raise SpecError(f"invalid {key}: {value!r}", hint=f"{key} is an integer >= {least}")
         return int(value)
     choices = {"init": INITS, "distribution": DISTRIBUTIONS, "stride_count": STRIDE_COUNTS}[key]
