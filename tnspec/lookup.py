@@ -53,7 +53,7 @@ class LookupPlan:
     static: tuple[str, ...]  # cores without modes, used as they are
     path: tuple[tuple[int, ...], ...]  # opt_einsum's pairwise order over runs, then static
     flops: int  # building the tables and contracting per lookup, forward
-    elements: int  # gathered rows, tables built and per-lookup intermediates
+    elements: int  # tables built, plus PER_LOOKUP x (gathered rows, per-lookup intermediates)
     dense_macs: int  # the same lookups from a dense table: one row copy each
     planner: str = "lookup"
 
@@ -69,7 +69,8 @@ class LookupPlan:
         lookups = math.prod(sizes[i] for axis in net.input.axes[:-1] for i in axis)
         rows = [f"plan (lookup) for {net.spec}",
                 f"  for {lookups:,} lookups into {net.vocabulary:,} rows; "
-                f"{self.flops:,} FLOPs, {self.elements:,} elements moved"]
+                f"{self.flops:,} FLOPs, {self.elements:,} elements moved (per-lookup ones "
+                f"counted {PER_LOOKUP}x)"]
         for run in self.runs:
             table = math.prod(sizes[i] for i in (*run.modes, *run.axes))
             built = "built from " + " * ".join(run.cores) if len(run.cores) > 1 else run.cores[0]
@@ -207,7 +208,7 @@ class _Lowering(Builder):
         for name in plan.static:
             operands.append(self.core(name))
         out = [i for axis in net.output.axes[written:] for i in axis]
-        result = self.contract(operands, [LOOKUP, *out])
+        result = self.contract(operands, [LOOKUP, *out], plan.path)
         shape = [Size.of(n)] + [self.product(axis) for axis in net.output.axes[written:]]
         result = self.arrange(result, [LOOKUP, *out], shape)
         y = self.name("tensor:" + net.output.name, net.output.name)
@@ -261,12 +262,12 @@ class _Lowering(Builder):
         table = parts[0] if len(parts) == 1 else self.contract(parts, [*run.modes, *run.axes])
         return self.merged(table, [list(run.modes), *[[a] for a in run.axes]])
 
-    def contract(self, operands: list[Var | Param], out: list[str]) -> Var | Param:
-        """``operands`` contracted pairwise in opt_einsum's order into the indices ``out``."""
-        lookups = math.prod(self.net.sizes[i] for axis in self.net.input.axes[:-1]
-                            for i in axis)
-        terms = [self.layout[o] for o in operands]
-        path = _path(terms, out, {**self.net.sizes, LOOKUP: lookups})[0]
+    def contract(self, operands: list[Var | Param], out: list[str],
+                 path: tuple[tuple[int, ...], ...] | None = None) -> Var | Param:
+        """``operands`` contracted pairwise into the indices ``out``, in ``path`` (default:
+        opt_einsum's order for these operands, which carry no lookup axis)."""
+        if path is None:
+            path = _path([self.layout[o] for o in operands], out, self.net.sizes)[0]
         live = list(operands)
         for pair in path:
             picked = [live[k] for k in sorted(pair)]
