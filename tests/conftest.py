@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from tnspec import calibration, measure
+from tnspec.autotune import Timing
 from tnspec.cost import CostModel
 from tnspec.measure import Sample
 
@@ -48,6 +49,12 @@ def float64():
 #: a plausible machine, as an idle measurement would fit it
 IDLE = CostModel(conv_rate=1e11, einsum_rate=3e10, channels=4, bandwidth=2e9, overhead=5e-5,
                  grouped=1.5, einsum_bandwidth=1e9)
+
+
+def quiet(medians: list[float]) -> list[Timing]:
+    """What ``Layer._time`` returns for candidates timed at ``medians`` seconds on a quiet
+    machine (no spread between rounds)."""
+    return [Timing(m, 0.0) for m in medians]
 
 
 def idle_samples(*args: object, truth: CostModel = IDLE, **kwargs: object) -> list[Sample]:

@@ -10,7 +10,7 @@ import torch
 import tnspec
 from tnspec.api import example_shape, generate
 
-from .conftest import EXAMPLES
+from .conftest import EXAMPLES, quiet
 from .reference import dense_forward
 from .zoo import CASES, spec
 
@@ -191,7 +191,7 @@ def test_autotune_keeps_the_models_order_unless_another_is_clearly_faster(
     def fake(self, classes, shape, repeats, channels_last=False):
         lead = leads[len(timed)]
         timed.append(classes)
-        return [1.0] + [lead] * (len(classes) - 1)  # the model's order is timed first
+        return quiet([1.0] + [lead] * (len(classes) - 1))  # the model's order is timed first
     monkeypatch.setattr(tnspec.Layer, "_time", fake)
     compare(module, torch.randn(2, *shape))
     assert len(timed) == len(leads) and len(timed[0]) >= 2
@@ -211,7 +211,7 @@ def test_autotune_times_the_models_order_run_channels_last_inside_for_a_contiguo
 
     def fake(self, classes, shape, repeats, channels_last=False):
         timed.append([CONVERTS in tnspec.runtime.source_of(c.forward) for c in classes])
-        return [1.0] * (len(classes) - 1) + [0.5]  # the last candidate clearly fastest
+        return quiet([1.0] * (len(classes) - 1) + [0.5])  # the last candidate clearly fastest
     monkeypatch.setattr(tnspec.Layer, "_time", fake)
     text, sizes, shape = spec("tucker2", 2, 1, "same", 1)
     module = tnspec.layer(text, autotune=True, **sizes)
@@ -239,7 +239,7 @@ def test_autotune_does_not_time_an_order_the_model_prices_far_above_the_cheapest
 
     def fake(self, classes, shape, repeats, channels_last=False):
         timed.append(len(classes))
-        return [1.0] * len(classes)
+        return quiet([1.0] * len(classes))
     monkeypatch.setattr(tnspec.Layer, "_time", fake)
     module(torch.randn(4, 32, 16, 16))
     # auto (= dense-first), greedy[, left-to-right], auto run channels-last inside

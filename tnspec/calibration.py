@@ -21,6 +21,7 @@ the cache. Measuring uses its own random generator and gradients: the global RNG
 
 from __future__ import annotations
 
+import fnmatch
 import functools
 import logging
 import os
@@ -322,6 +323,76 @@ def remember(device: torch.device | str, dtype: torch.dtype, what: str,
     global _choices
     full = f"{device_key(device, dtype)} | {what}"
     _choices = {**(_choices or {}), **cache.update(lambda d, c: c.__setitem__(full, value))[1]}
+
+
+def choices(pattern: str | None = None) -> dict[str, dict[str, Any]]:
+    """The measured choices in the cache file (an op per mixing step, an order or cut per
+    layer), by key, those matching ``pattern`` only where given (see :func:`drop`)."""
+    found = _read()[1]
+    return {k: v for k, v in found.items() if pattern is None or _matches(k, pattern)}
+
+
+def drop(pattern: str) -> int:
+    """Drop the cached choices whose key matches ``pattern`` (a glob with ``*`` and ``?``;
+    without them, a part of the key); returns how many. Layers time them again when next
+    planned."""
+    global _choices
+    gone: list[str] = []
+
+    def change(devices: cache.Devices, found: cache.Choices) -> None:
+        gone.extend(k for k in found if _matches(k, pattern))
+        for k in gone:
+            del found[k]
+    _choices = cache.update(change)[1]
+    rechecked.clear()
+    return len(gone)
+
+
+def _matches(key: str, pattern: str) -> bool:
+    if any(c in pattern for c in "*?["):
+        return fnmatch.fnmatchcase(key, pattern) or fnmatch.fnmatchcase(
+            key.split(" | ", 3)[-1], pattern)  # with or without the device part
+    return pattern in key
+
+
+def describe_choice(key: str, value: dict[str, Any]) -> str:
+    """A cached choice in words, as ``tnspec calibrate --show`` prints it: what was chosen
+    and by what margin over the default, the spread of the rounds, and when."""
+    # names are printed escaped: a key holds what a spec wrote, newlines included
+    what = "".join(c if c.isprintable() else repr(c)[1:-1] for c in key.split(" | ", 3)[-1])
+    if "op" in value:  # a mixing step
+        secs = value.get("seconds") or {}
+        other = "conv1x1" if value["op"] == "einsum" else "einsum"
+        margin = (f", {other} {secs[other] / secs[value['op']]:.2f}x its time"
+                  if isinstance(secs, dict) and secs.get(value["op"]) and other in secs
+                  else "")
+        return f"{what}\n  runs as {value['op']}{margin}"
+    cands = value.get("candidates") or {}
+    median = {k: (c["median"] if isinstance(c, dict) else c) for k, c in cands.items()}
+    spread = {k: c.get("spread") for k, c in cands.items() if isinstance(c, dict)}
+    order, default = value.get("order"), next(iter(cands), None)
+    lines = [what + (f"\n  as written: {value['spec']}" if value.get("spec") else "")]
+    if order == default or default is None:
+        others = [median[k] for k in median if k != order]
+        lead = f", the next {min(others) / median[order]:.2f}x its time" if others and \
+            median.get(order) else ""
+        lines.append(f"  the cost model's choice{lead}")
+    else:
+        lines.append(f"  {order}: {median[order] / median[default]:.2f}x the time of the cost "
+                     "model's choice" if median.get(default) else f"  {order}")
+    if spread and median.get(order):
+        lines.append(f"  spread of the rounds: {max(spread.values()) / median[order]:.0%} "
+                     "of its time at most")
+    if value.get("dropped"):
+        lines.append(f"  dropped: {value['dropped']}")
+    c = value.get("conditions") or {}
+    when = time.strftime("%Y-%m-%d %H:%M", time.localtime(value["when"])) \
+        if isinstance(value.get("when"), (int, float)) else "at an unknown time"
+    lines.append(f"  measured {when}" + (f" at load {c['load']}" if c.get("load") is not None
+                                         else "") +
+                 (f", {c['others']} other threads running" if c.get("others") is not None
+                  else ""))
+    return "\n".join(lines)
 
 
 def _read() -> tuple[dict[str, Calibration], dict[str, dict[str, Any]]]:

@@ -34,6 +34,7 @@ EPILOG = """examples:
   tnspec check examples/tr_conv.tn --set r=4
   tnspec draw examples/odd.tn -o odd.svg        (SVG, PNG, PDF need Graphviz; .dot does not)
   tnspec calibrate --refresh                    (measure this CPU again for the planner)
+  tnspec calibrate --show                       (the measured orders and ops, with margins)
 
 exit codes:
   0  success
@@ -110,6 +111,11 @@ def _parser() -> argparse.ArgumentParser:
     cal.add_argument("--dtype", default="float32", choices=_DTYPES,
                      help="the parameters' dtype (default float32)")
     cal.add_argument("--refresh", action="store_true", help="measure again and rewrite the cache")
+    cal.add_argument("--show", action="store_true",
+                     help="list the measured choices (orders, cuts, ops) with their margins")
+    cal.add_argument("--forget", metavar="PATTERN",
+                     help="drop the measured choices whose key matches PATTERN (a glob with * "
+                     "and ?, or a part of the key): they are timed again when next used")
     cal.set_defaults(run=_calibrate)
     return parser
 
@@ -214,6 +220,20 @@ def _calibrate(args: argparse.Namespace) -> int:
         print(f"tnspec calibrate: error: cannot measure device {args.device!r}: {exc}",
               file=sys.stderr)
         return EXIT_SPEC
+    if args.forget is not None:
+        print(f"dropped {calibration.drop(args.forget)} measured choices matching "
+              f"{args.forget!r} from {calibration.cache_path()}")
+        return EXIT_OK
+    if args.show:
+        found_choices = calibration.choices()
+        print(f"cache: {calibration.cache_path()}; {len(found_choices)} measured choices")
+        device_part = None
+        for key, value in sorted(found_choices.items(), key=lambda kv: kv[0].split(" | ", 3)[:3]):
+            if key.split(" | ", 3)[:3] != device_part:
+                device_part = key.split(" | ", 3)[:3]
+                print("\n" + " | ".join(device_part) + ":")
+            print(calibration.describe_choice(key, value))
+        return EXIT_OK
     found = calibration.calibrate(device, getattr(torch, args.dtype),
                                   refresh=args.refresh)
     print(f"cache: {calibration.cache_path()}")

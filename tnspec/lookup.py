@@ -10,7 +10,8 @@ rows and the cores without modes are then contracted per lookup, in the order op
 finds. One run of all the modes is the reconstruct-first path (the table built whole, rows
 picked, as ``nn.Embedding`` does: the cheapest when there are more lookups than rows); one run
 per core is gather-then-contract. :func:`plan_lookup` prices every cut with the same cost
-model as the contraction planner and keeps the cheapest.
+model as the contraction planner and keeps the cheapest; :func:`lookup_candidates` gives the
+others, which autotuning times against it.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ LOOKUP = "@"  # the per-lookup axis in layouts (no index name can be "@")
 #: every cut of TT embeddings (10^4-10^6 rows, 4096-16384 lookups, rank 16, 2 CPU threads)
 #: put the gathered 4-D cores of the one-run-per-core cut far behind their size; 2, 3 and 5
 #: here all pick a two-run cut for large vocabularies and the whole table when lookups
-#: outnumber rows. A rough constant: the cut is not timed (see the README, Embeddings)
+#: outnumber rows. A rough constant: where the layer autotunes, the cuts are timed
 PER_LOOKUP = 3
 
 
@@ -85,25 +86,38 @@ def plan_lookup(net: Network, model: CostModel | None = None, *,
                 max_bytes: int = DEFAULT_MAX_BYTES, itemsize: int = 4) -> LookupPlan:
     """The cheapest cut of ``net``'s modes into runs, at its bound lookup count; tables and
     per-lookup tensors larger than ``max_bytes`` are refused."""
+    return lookup_candidates(net, model, max_bytes=max_bytes, itemsize=itemsize)[0]
+
+
+def lookup_candidates(net: Network, model: CostModel | None = None, *,
+                      max_bytes: int = DEFAULT_MAX_BYTES, itemsize: int = 4
+                      ) -> list[LookupPlan]:
+    """Every cut of ``net``'s modes whose tables fit in ``max_bytes``, the cheapest by
+    ``model`` first (the others are what autotuning times against it)."""
     model = model or CostModel()
-    best: LookupPlan | None = None
-    best_cost = math.inf
+    priced = []
     for cut in _cuts(len(net.input.axes[-1])):
         candidate = _price(net, cut)
-        if candidate is None:
-            continue
-        cost = model.einsum(candidate.flops // 2, candidate.elements)
-        if cost < best_cost:
-            best, best_cost = candidate, cost
-    if best is None:
+        if candidate is not None:
+            priced.append((model.einsum(candidate.flops // 2, candidate.elements), candidate))
+    if not priced:
         raise SpecError(f"no core order can look up {net.spec}: a core carries modes that are "
                         "not consecutive in the index input",
                         hint="write the modes after 'in' in the order the cores carry them")
+    priced.sort(key=lambda pair: pair[0])
     sizes = net.sizes
-    guard_bytes(net, [(f"table ({' '.join(r.modes)})", math.prod(
-        sizes[i] for i in (*r.modes, *r.axes))) for r in best.runs if len(r.cores) > 1],
-        max_bytes, itemsize)
-    return best
+    kept: list[LookupPlan] = []
+    for k, (_, candidate) in enumerate(priced):
+        try:
+            guard_bytes(net, [(f"table ({' '.join(r.modes)})", math.prod(
+                sizes[i] for i in (*r.modes, *r.axes))) for r in candidate.runs
+                if len(r.cores) > 1], max_bytes, itemsize)
+        except SpecError:
+            if k == 0:
+                raise  # the cheapest cut's error: the layer's own for this size
+            continue
+        kept.append(candidate)
+    return kept
 
 
 def _cuts(n: int) -> list[tuple[int, ...]]:

@@ -313,8 +313,7 @@ class Layer(nn.Module):
     def _tunes(self) -> bool:
         """``autotune``, which by default (None) is on where calibration measures; never for a
         planner other than ``auto``: the order asked for is the order that runs."""
-        if self.planner != "auto" or self._tuning_spent >= self.autotune_seconds or \
-                self.network.lookup:  # a lookup's cut is the cost model's
+        if self.planner != "auto" or self._tuning_spent >= self.autotune_seconds:
             return False
         if self.autotune is not None:
             return self.autotune
@@ -346,8 +345,8 @@ class Layer(nn.Module):
         return autotune.fastest(self, shape, channels_last)
 
     def _time(self, classes: list[type], shape: tuple[int, ...], repeats: int,
-              channels_last: bool = False) -> list[float]:
-        """Median seconds of each class's forward and backward (see
+              channels_last: bool = False) -> list[autotune.Timing]:
+        """The median and spread of each class's forward and backward (see
         :func:`autotune.time_orders`)."""
         return autotune.time_orders(self, classes, shape, repeats, channels_last)
 

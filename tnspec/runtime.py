@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import linecache
 from collections import OrderedDict
-from typing import Any
+from typing import Any, Callable
 
 from . import codegen
 from .ir import Network
@@ -54,23 +54,25 @@ def layer_class(network: Network, plan: Plan | None, channels_last: bool = False
     return load_class(source, codegen.class_name(network))
 
 
-def fingerprint(*classes: type) -> str:
+def fingerprint(*classes: type, rename: Callable[[str], str] = str) -> str:
     """A digest of what the ``forward`` of ``classes`` computes: bytecode, names and
     constants, not comments or line numbers (which carry FLOP counts of the shape it was
     planned for). Two builds of tnspec that lower an order differently give different
-    fingerprints, so orders timed by one are not recalled for the other."""
+    fingerprints, so orders timed by one are not recalled for the other. ``rename`` maps
+    the names and string constants first (``autotune.canonical``: a network renamed has the
+    same digest)."""
     digest = hashlib.sha1()
 
     def add(code: Any) -> None:
         digest.update(code.co_code)
-        digest.update(repr(code.co_names).encode())
+        digest.update(rename(repr(code.co_names)).encode())
         for const in code.co_consts:
             if hasattr(const, "co_code"):
                 add(const)
             elif isinstance(const, frozenset):  # its repr's order varies between processes
-                digest.update(repr(sorted(map(repr, const))).encode())
+                digest.update(rename(repr(sorted(map(repr, const)))).encode())
             else:
-                digest.update(repr(const).encode())
+                digest.update(rename(repr(const)).encode())
     for cls in classes:
         add(cls.forward.__code__)
     return digest.hexdigest()[:16]
