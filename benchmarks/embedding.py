@@ -61,7 +61,7 @@ def main() -> None:
     print(f"forward + backward, median of {rounds} interleaved rounds; ratio to nn.Embedding "
           "(dense gradients); parameters in thousands; var: output variance at init")
     print(f"{'vocab':>9} {'dim':>4} {'lookups':>7} | {'dense ms':>8} {'sparse':>6} "
-          f"{'TLT':>6} {'tnspec':>6} | {'TLT/tn':>6} | {'k params TLT':>12} "
+          f"{'TLT':>6} {'tnspec':>6} | {'tn/TLT':>6} | {'k params TLT':>12} "
           f"{'tnspec':>7} | {'var TLT':>8} {'tnspec':>6}")
     for vocab, dim, lookups in (QUICK if args.quick else CASES):
         torch.manual_seed(0)

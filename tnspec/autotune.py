@@ -11,16 +11,14 @@ these functions with itself; they read its network, sizes, cores and planning se
 from __future__ import annotations
 
 import os
-import re
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from . import calibration, runtime
 from .errors import SpecError
-from .ir import Network
 from .lookup import LookupPlan, lookup_candidates
 from .plan import Plan, plan
 from .shapes import bind_shape
@@ -39,10 +37,10 @@ def fastest(layer: Any, shape: tuple[int, ...], channels_last: bool = False,
     of rounds, the second against the model's order alone; an order the cost model prices at
     more than ``calibration.PRUNE`` times the cheapest is not timed. The cache entry keeps
     every candidate's median and spread, the machine's load and threads, and when; it is
-    keyed by the network with its names made canonical (:func:`canonical`), so that the same
-    network under other names recalls it. A lead measured while as many other threads ran as
-    there are CPUs is used but not kept in the cache; a recalled order other than the
-    model's is timed against it once a process (``RECHECK_REPEATS`` rounds), and where its
+    keyed by the network with its names made canonical (``calibration.canonical``), so that
+    the same network under other names recalls it. A lead measured while as many other
+    threads ran as there are CPUs is used but not kept in the cache; a recalled order other
+    than the model's is timed against it once a process (``RECHECK_REPEATS`` rounds), and where its
     lead is gone the model's order runs and replaces it in the cache, so that a choice
     measured on a busy machine does not persist. Timing uses its own random generator and
     gradients, so that the global RNG, ``no_grad``, ``inference_mode`` and frozen cores are
@@ -78,8 +76,10 @@ def fastest(layer: Any, shape: tuple[int, ...], channels_last: bool = False,
         candidates[key] = (runtime.layer_class(layer.network, plans[0], convert=True), plans[0])
     if len(candidates) == 1:
         return (*next(iter(candidates.values())), "one candidate order, nothing timed")
-    canon = canonical(layer.network)
-    sizes = ", ".join(sorted(f"{canon(k)}={v}" for k, v in layer.sizes.items()))
+    canon = calibration.canonical(layer.spec)
+    # in order of first appearance in the spec (the canonical names' order)
+    sizes = ", ".join(f"{canon(k)}={v}" for k, v in sorted(
+        layer.sizes.items(), key=lambda kv: int(canon(kv[0])[1:])))
     what = f"order of {canon(layer.spec)} ({sizes}) for {list(layer._shape_key(shape))}" + \
         (" channels_last" if channels_last else "")
     device, dtype = layer._where()
@@ -145,21 +145,6 @@ class Timing:
         lead = other.median - self.median
         return self.median < calibration.MARGIN * other.median and \
             lead > max(self.spread, other.spread)
-
-
-def canonical(net: Network) -> Callable[[str], str]:
-    """A renaming of ``net``'s tensor and index names to ``t0, t1, ...`` in order of first
-    appearance in its spec, applied to a text: two networks that differ only in names read
-    the same, so that they share measured choices."""
-    names: dict[str, str] = {}
-    for word in _WORD.findall(net.spec):
-        if word not in _KEYWORDS:
-            names.setdefault(word, f"t{len(names)}")
-    return lambda text: _WORD.sub(lambda m: names.get(m.group(), m.group()), text)
-
-
-_WORD = re.compile(r"\b[A-Za-z_]\w*\b")
-_KEYWORDS = frozenset({"in"})  # words of the language that the spec text can hold
 
 
 def _conditions(device: torch.device) -> dict[str, Any]:

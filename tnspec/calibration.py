@@ -26,11 +26,12 @@ import functools
 import logging
 import os
 import platform
+import re
 import time
 import warnings
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -355,11 +356,33 @@ def _matches(key: str, pattern: str) -> bool:
     return pattern in key
 
 
+def canonical(spec: str, inverse: bool = False) -> Callable[[str], str]:
+    """A renaming of ``spec``'s tensor and index names to ``t0, t1, ...`` in order of first
+    appearance, applied to a text (``inverse``: back to ``spec``'s names). Two networks that
+    differ only in names read the same, so that they share measured choices."""
+    names: dict[str, str] = {}
+    for word in _WORD.findall(spec):
+        if word not in _KEYWORDS:
+            names.setdefault(word, f"t{len(names)}")
+    if inverse:
+        names = {v: k for k, v in names.items()}
+    return lambda text: _WORD.sub(lambda m: names.get(m.group(), m.group()), text)
+
+
+_WORD = re.compile(r"\b[A-Za-z_]\w*\b")
+_KEYWORDS = frozenset({"in"})  # words of the language that a spec's text can hold
+
+
 def describe_choice(key: str, value: dict[str, Any]) -> str:
     """A cached choice in words, as ``tnspec calibrate --show`` prints it: what was chosen
     and by what margin over the default, the spread of the rounds, and when."""
     # names are printed escaped: a key holds what a spec wrote, newlines included
     what = "".join(c if c.isprintable() else repr(c)[1:-1] for c in key.split(" | ", 3)[-1])
+    if isinstance(value.get("spec"), str) and isinstance(value.get("order"), str):
+        named = canonical(value["spec"], inverse=True)  # the key is canonical: the spec's names
+        what = named(what)
+        value = {**value, "order": named(value["order"]), "candidates": {
+            named(k): c for k, c in (value.get("candidates") or {}).items()}}
     if "op" in value:  # a mixing step
         secs = value.get("seconds") or {}
         other = "conv1x1" if value["op"] == "einsum" else "einsum"
@@ -371,7 +394,7 @@ def describe_choice(key: str, value: dict[str, Any]) -> str:
     median = {k: (c["median"] if isinstance(c, dict) else c) for k, c in cands.items()}
     spread = {k: c.get("spread") for k, c in cands.items() if isinstance(c, dict)}
     order, default = value.get("order"), next(iter(cands), None)
-    lines = [what + (f"\n  as written: {value['spec']}" if value.get("spec") else "")]
+    lines = [what]
     if order == default or default is None:
         others = [median[k] for k in median if k != order]
         lead = f", the next {min(others) / median[order]:.2f}x its time" if others and \
@@ -380,9 +403,12 @@ def describe_choice(key: str, value: dict[str, Any]) -> str:
     else:
         lines.append(f"  {order}: {median[order] / median[default]:.2f}x the time of the cost "
                      "model's choice" if median.get(default) else f"  {order}")
-    if spread and median.get(order):
-        lines.append(f"  spread of the rounds: {max(spread.values()) / median[order]:.0%} "
-                     "of its time at most")
+    if spread.get(order) is not None and median.get(order):
+        mine = [order] + ([default] if default not in (None, order) else [])
+        lines.append("  spread of the rounds (upper less lower quartile): " + ", ".join(
+            f"{spread[k] / median[k]:.0%}" for k in mine if spread.get(k) is not None and
+            median.get(k)) + (" of its time" if len(mine) == 1 else
+                              " of the two times (chosen, the cost model's)"))
     if value.get("dropped"):
         lines.append(f"  dropped: {value['dropped']}")
     c = value.get("conditions") or {}
