@@ -47,8 +47,7 @@ __all__ = [
     "AdaptReport", "Adapted", "Audit", "Backbone", "Calibration", "CompressReport", "Conv",
     "EmbeddingBag", "Index", "Layer", "Network", "Options", "Plan", "Role", "SpecError", "Tensor",
     "__version__", "adapt", "adapter_state_dict", "audit", "backbone", "backward", "calibrate",
-    "compile", "compile_all", "compress", "contract", "disable_adapters", "embedding", "embedding_bag",
-    "explain", "formats",
-    "generate", "layer", "load_adapters", "merge", "merge_adapters", "register_peft",
-    "set_adapter", "tensorize",
+    "compile", "compile_all", "compress", "contract", "disable_adapters", "embedding",
+    "embedding_bag", "explain", "formats", "generate", "layer", "load_adapters", "merge",
+    "merge_adapters", "register_peft", "set_adapter", "tensorize",
 ]

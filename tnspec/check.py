@@ -31,8 +31,8 @@ RESERVED_NAMES = frozenset("""
     register_state_dict_post_hook register_state_dict_pre_hook requires_grad_ set_extra_state
     set_submodule share_memory state_dict to to_empty train training type xpu zero_grad
     bias spec sizes network plan program planner autotune max_elements reset_parameters self
-    source plan_cache_size autotune_seconds max_bytes in_channels out_channels kernel_size stride padding
-    dilation groups in_features out_features dense_weight fit_
+    source plan_cache_size autotune_seconds max_bytes in_channels out_channels kernel_size stride
+    padding dilation groups in_features out_features dense_weight fit_
     torch
 """.split())
 
@@ -91,7 +91,8 @@ class _Checker:
     def run(self, overrides: dict[str, Any]) -> Network | None:
         lay = self.layer
         if len(lay.networks) != 1:
-            self.error(f"layer {lay.name!r} has {len(lay.networks)} networks; it needs exactly one",
+            self.error(f"layer {lay.name!r} has {len(lay.networks)} networks; it needs exactly "
+                       "one",
                        lay.networks[1].span if len(lay.networks) > 1 else lay.name_span,
                        "write one 'x[...], ... -> y[...]' per layer")
             return None
@@ -370,7 +371,8 @@ class _Checker:
                     continue
                 if n not in data_names and n not in core_names and n not in targets:
                     self.error(f"output index {n!r} is provided by no operand", ix.span,
-                               f"add {n!r} to a core or to the input, or remove it from the output")
+                               f"add {n!r} to a core or to the input, or remove it from the "
+                               "output")
         for c in cores:
             for ix in c.indices:
                 for n in ix.names:

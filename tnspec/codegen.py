@@ -150,7 +150,7 @@ class _Class:
         if dims:
             lines.append(f"{i2}if bias:")
             lines += wrap_call(f"{i2}{INDENT}self.bias = nn.Parameter(torch.zeros(",
-                                dims + ["dtype=dtype", "device=device"], "))")
+                               dims + ["dtype=dtype", "device=device"], "))")
             lines.append(f"{i2}else:")
             lines.append(f"{i2}{INDENT}self.register_parameter('bias', None)")
         else:
@@ -190,7 +190,7 @@ class _Class:
         opts = net.options
         act = opts.activation if isinstance(opts.activation, str) else "scale"
         lines += comment(f"init {opts.init}, activation {act}: p_a = "
-                          f"{activation_scale(opts):g}; {inits[0].why if inits else ''}", i2)
+                         f"{activation_scale(opts):g}; {inits[0].why if inits else ''}", i2)
         lines += self.load_sizes(used, names, "self.sizes", i2)
         stds: dict[tuple, str] = {}
         for ci in inits:
@@ -347,7 +347,6 @@ def _check_index(node: CheckIndex, indent: str) -> list[str]:
         f"{i2}if {v}.numel() and (bool({v}.min() < 0) or bool({v}.max() >= {vocab})):",
         f'{i3}raise IndexError(f"{node.tensor}: indices lie in [0, {{{vocab}}}), got "',
         f'{i3}                 f"{{int({v}.min())}}..{{int({v}.max())}}")']
-
 
 
 def _call(node: Call, indent: str) -> list[str]:

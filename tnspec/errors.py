@@ -39,9 +39,10 @@ class Span:
 class SpecError(ValueError):
     """A problem with a tensor-network spec, located in its source.
 
-    Attributes: ``message`` (what is wrong, quoting the offending item), ``line`` and ``column``
-    (1-based, 0 when unknown), ``hint`` (how to fix it), ``excerpt`` (the source line with a caret),
-    ``filename`` (or None) and ``errors`` (every error found in the same pass, this one first).
+    Attributes: ``message`` (what is wrong, quoting the offending item), ``line`` and
+    ``column`` (1-based, 0 when unknown), ``hint`` (how to fix it), ``excerpt`` (the source line
+    with a caret), ``filename`` (or None) and ``errors`` (every error found in the same pass,
+    this one first).
     """
 
     def __init__(

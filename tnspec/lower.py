@@ -288,13 +288,15 @@ class _Lowering(Builder):
                              comment=comment)
         # torch.einsum knows 52 subscripts: merge the indices that play the same part (batch,
         # left/right free, contracted, summed on one side) into one axis each
-        A, B, O = set(a), set(b), set(out)
+        in_a, in_b, kept = set(a), set(b), set(out)
         by_index = dict(zip(out, dims))
-        batch = [i for i in out if i in A and i in B]
-        free_a, free_b = [i for i in out if i not in B], [i for i in out if i not in A]
-        contracted = [i for i in a if i in B and i not in O]
-        left = self.merged(left, [batch, free_a, contracted, [i for i in a if i not in B | O]])
-        right = self.merged(right, [batch, contracted, free_b, [i for i in b if i not in A | O]])
+        batch = [i for i in out if i in in_a and i in in_b]
+        free_a, free_b = [i for i in out if i not in in_b], [i for i in out if i not in in_a]
+        contracted = [i for i in a if i in in_b and i not in kept]
+        summed_a = [i for i in a if i not in in_b | kept]
+        summed_b = [i for i in b if i not in in_a | kept]
+        left = self.merged(left, [batch, free_a, contracted, summed_a])
+        right = self.merged(right, [batch, contracted, free_b, summed_b])
         letter = dict(zip(self.layout[left] + self.layout[right], _LETTERS))
         order = [axis_text(c) for c in (batch, free_a, free_b) if c]
         eq = "".join(letter[i] for i in self.layout[left]) + "," + \

@@ -143,7 +143,8 @@ def parse(source: str) -> Document:
         source = source[1:]
     if len(source) > MAX_SOURCE_CHARS:
         raise SpecError(
-            f"spec is {len(source):,} characters long, more than the limit of {MAX_SOURCE_CHARS:,}",
+            f"spec is {len(source):,} characters long, more than the limit of "
+            f"{MAX_SOURCE_CHARS:,}",
             hint="split it into several layers or files",
         )
     if not source.strip() or not _strip_comments(source).strip():
