@@ -94,3 +94,15 @@ def test_decompose_smoke_compares_with_tensorly_on_the_same_networks(capsys):
                 out.split("exact recovery")[1].splitlines() if line.startswith("| ")}
     for fmt in decompose.RECOVERY:  # tiny sizes: even the Odd network is recovered
         assert "| 1/1 |" in recovery[fmt], fmt
+
+
+@pytest.mark.slow
+def test_stale_choice_benchmark_runs_both_phases():
+    """benchmarks/stale.py --quick: autotune beside CPU-bound processes, then a quiet process
+    times what it runs against the model's order (about 35 s; the ratios are printed only)."""
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "stale.py"), "--quick"],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    rows = [line for line in out.stdout.splitlines() if line.startswith(("cp ", "tt-linear"))]
+    ratios = [float(row.split("|")[-1].split()[1]) for row in rows]  # model ms, ratio
+    assert len(rows) == 2 and all(r > 0 for r in ratios)
