@@ -43,6 +43,10 @@ class _Lowering(Builder):
         self.channels_last = channels_last
         self.convert = convert
         self.var: dict[str, Var | Param] = {}  # plan operand -> what holds it now
+        # the layout each conv or linear step reads its weight in: where an einsum builds that
+        # weight, it writes it in an order that layout is one cheap permute away from
+        self.wanted = {s.right.name: _weight_layout(s) for s in plan.steps
+                       if s.op in ("conv", "conv1x1", "linear")}
 
     # ---- the program ------------------------------------------------------------------------
 
@@ -280,6 +284,12 @@ class _Lowering(Builder):
         dims = [self.dim(left, i) if i in a else self.dim(right, i) for i in out]
         comment = f"einsum, {step.flops:,} FLOPs: {what}"
         names = list(dict.fromkeys(a + b))
+        if base in self.wanted and set(self.wanted[base]) == set(out) and \
+                set(a) | set(b) <= set(out) | (set(a) & set(b)):
+            if set(a) - set(out) and set(a) - set(b) and set(b) - set(a):
+                return self.weight(step, left, right, base, comment)  # a matrix product
+            out = _nearest(a, b, out, self.wanted[base])  # an outer product: einsum's
+            dims = [self.dim(left, i) if i in a else self.dim(right, i) for i in out]
         if len(names) <= len(_LETTERS):
             letter = dict(zip(names, _LETTERS))
             eq = "".join(letter[i] for i in a) + "," + "".join(letter[i] for i in b) + \
@@ -308,6 +318,30 @@ class _Lowering(Builder):
         flat = batch + free_a + free_b
         holder = self.reshape_to(merged, flat, [by_index[i] for i in flat], base + "_r")
         return self.arrange(holder, out, dims)
+
+    def weight(self, step: Step, left: Var | Param, right: Var | Param, base: str,
+               comment: str) -> Var | Param:
+        """A step that builds the weight of a later conv or linear (reconstruct-first), as
+        one ``torch.matmul`` of the two operands flattened, its result in the order
+        (:func:`_nearest`) one permute from the layout that step reads: ``torch.einsum``
+        would permute it back, and the consumer copy it again."""
+        a, b, out = step.left.indices, step.right.indices, step.result.indices
+        order = _nearest(a, b, out, self.wanted[base])
+        batch = [i for i in order if i in a and i in b]
+        contracted = [i for i in a if i in b and i not in out]
+        first = [i for i in order[len(batch):] if (i in a) == (order[len(batch)] in a)]
+        second = [i for i in order if i not in batch and i not in first]
+        if first and first[0] not in a:  # the right operand's own indices come first
+            left, right = right, left
+        dims = {i: self.dim(h, i) for h in (left, right) for i in self.layout[h]}
+        lm = self.merged(left, [batch, first, contracted])
+        rm = self.merged(right, [batch, contracted, second])
+        flat = [c for c in (batch, first, second) if c]
+        product = self.call(base, "torch.matmul", lm, rm, layout=tuple(map(axis_text, flat)),
+                            dims=[math.prod((dims[i] for i in c), start=Size.of(1))
+                                  for c in flat],
+                            comment=comment.replace("einsum", "the next step's weight", 1))
+        return self.reshape_to(product, order, [dims[i] for i in order], base + "_r")
 
     def epilogue(self, out_name: str) -> str:
         """Permute the last result into the output's order, merge its groups, add the bias."""
@@ -361,6 +395,31 @@ _LETTERS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
 
 # what returns a view of its input (torch.einsum: a permuted view of a bmm's result)
 _VIEWS = {".reshape", ".permute", ".flip", "[]", "torch.einsum"}
+
+
+def _weight_layout(step: Step) -> tuple[str, ...]:
+    """The order of the weight's indices that a conv or linear step reshapes it from."""
+    sp = step.split
+    kernels = tuple(str(c.kernel) for i in sp.spatial for c in step.convs if c.source == i)
+    return sp.groups + sp.outputs + sp.inputs + (kernels if step.op == "conv" else ())
+
+
+def _nearest(a: Sequence[str], b: Sequence[str], out: Sequence[str],
+             wanted: Sequence[str]) -> tuple[str, ...]:
+    """An order of ``out`` that ``torch.einsum`` writes contiguously (shared indices, then one
+    operand's own, then the other's, each group in ``wanted``'s order) whose permute into
+    ``wanted`` copies the longest contiguous runs: the most trailing indices in place."""
+    rank = {i: k for k, i in enumerate(wanted)}
+    batch = sorted((i for i in out if i in a and i in b), key=rank.__getitem__)
+    own_a = sorted((i for i in out if i not in b), key=rank.__getitem__)
+    own_b = sorted((i for i in out if i not in a), key=rank.__getitem__)
+
+    def in_place(order: list[str]) -> int:
+        n = 0
+        while n < len(order) and order[-1 - n] == wanted[-1 - n]:
+            n += 1
+        return n
+    return tuple(max([batch + own_a + own_b, batch + own_b + own_a], key=in_place))
 
 
 def _uniform(values: list[int]) -> int | tuple[int, ...]:
