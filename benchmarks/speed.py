@@ -321,8 +321,14 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("resnet18", "mobilenet_v2"):
         dense, tensorized, what = models.pair(name)
         print(f"\n{name}: {what}")
-        run(f"{name}-like b={batches[0]}", [], dense,
-            torch.randn(batches[0], 3, 32, 32, device=device), min(repeats, 5), args.smoke,
+        image = torch.randn(batches[0], 3, 32, 32, device=device)
+        run(f"{name}-like b={batches[0]}", [], dense, image, min(repeats, 5), args.smoke,
+            extra=((name, "tnspec", tensorized),))
+        # the whole network channels-last end to end, the dense one too (case() converts both;
+        # fresh copies: layers that ran the contiguous case keep its plans and timings)
+        dense, tensorized, _ = models.pair(name)
+        run(f"{name}-like b={batches[0]} channels_last", [], dense,
+            image.contiguous(memory_format=torch.channels_last), min(repeats, 5), args.smoke,
             extra=((name, "tnspec", tensorized),))
     print("\n" + table(rows) + "\n\n" + goals(rows))
     if args.write and not (args.smoke or args.quick):
