@@ -8,6 +8,7 @@ with :mod:`linecache`, so that tracebacks, ``pdb`` and profilers show the genera
 
 from __future__ import annotations
 
+import dis
 import hashlib
 import linecache
 from collections import OrderedDict
@@ -55,24 +56,30 @@ def layer_class(network: Network, plan: Plan | None, channels_last: bool = False
 
 
 def fingerprint(*classes: type, rename: Callable[[str], str] = str) -> str:
-    """A digest of what the ``forward`` of ``classes`` computes: bytecode, names and
-    constants, not comments or line numbers (which carry FLOP counts of the shape it was
-    planned for). Two builds of tnspec that lower an order differently give different
-    fingerprints, so orders timed by one are not recalled for the other. ``rename`` maps
-    the names and string constants first (``autotune.canonical``: a network renamed has the
-    same digest)."""
+    """A digest of what the ``forward`` of ``classes`` computes: the instructions in order
+    with their names and constants, not comments or line numbers (which carry FLOP counts of
+    the shape it was planned for). Two builds of tnspec that lower an order differently give
+    different fingerprints, so orders timed by one are not recalled for the other.
+    ``rename`` maps names and string constants first (``calibration.canonical``), and local
+    variables count by position only: their names, and the order of the factors of a size
+    product (sorted by name), are all that renaming a network changes, so that it has the
+    same digest."""
     digest = hashlib.sha1()
+    local = set(dis.haslocal) | set(dis.hasfree)
 
     def add(code: Any) -> None:
-        digest.update(code.co_code)
-        digest.update(rename(repr(code.co_names)).encode())
-        for const in code.co_consts:
-            if hasattr(const, "co_code"):
-                add(const)
-            elif isinstance(const, frozenset):  # its repr's order varies between processes
-                digest.update(rename(repr(sorted(map(repr, const)))).encode())
+        for ins in dis.get_instructions(code):
+            arg = ins.argval
+            if hasattr(arg, "co_code"):
+                add(arg)
+                continue
+            if ins.opcode in local:
+                text = ""
+            elif isinstance(arg, frozenset):  # its repr's order varies between processes
+                text = repr(sorted(map(repr, arg)))
             else:
-                digest.update(rename(repr(const)).encode())
+                text = repr(arg)
+            digest.update(f"{ins.opname} {rename(text)}\n".encode())
     for cls in classes:
         add(cls.forward.__code__)
     return digest.hexdigest()[:16]
