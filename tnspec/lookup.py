@@ -212,11 +212,10 @@ class _Lowering(Builder):
         for run in plan.runs:
             digit = self.digit(ids, modes, run.modes)
             table = self.table(run)
-            axis = self.layout[table].index(run.modes[0]) if len(run.modes) == 1 else 0
             layout, dims = list(self.layout[table]), list(self.dims[table])
-            layout[axis], dims[axis] = LOOKUP, Size.of(n)
+            layout[0], dims[0] = LOOKUP, Size.of(n)
             operands.append(self.call(
-                f"{'_'.join(run.cores)}_rows", ".index_select", table, axis, digit,
+                f"{'_'.join(run.cores)}_rows", ".index_select", table, 0, digit,
                 layout=tuple(layout), dims=dims,
                 comment=f"each lookup's slice of ({' '.join(run.modes)})"))
         for name in plan.static:
@@ -268,11 +267,15 @@ class _Lowering(Builder):
         return digit
 
     def table(self, run: Run) -> Var | Param:
-        """The run's table, its rows along the first axis (a lone core with one mode: that
-        axis where it is, to be gathered in place)."""
+        """The run's table, its rows along the first axis (a lone core with one mode: a view
+        with that axis first, so that the gathered rows come out with the lookups first, as
+        the batched products after them want)."""
         parts = [self.core(name) for name in run.cores]
         if len(parts) == 1 and len(run.modes) == 1:
-            return parts[0]
+            layout = self.layout[parts[0]]
+            rest = [i for i in layout if i != run.modes[0]]
+            return self.arrange(parts[0], [run.modes[0], *rest],
+                                [self.dim(parts[0], i) for i in [run.modes[0], *rest]])
         table = parts[0] if len(parts) == 1 else self.contract(parts, [*run.modes, *run.axes])
         return self.merged(table, [list(run.modes), *[[a] for a in run.axes]])
 
@@ -289,7 +292,10 @@ class _Lowering(Builder):
                 live.pop(k)
             rest = {i for o in live for i in self.layout[o]} | set(out)
             seen = list(dict.fromkeys(i for o in picked for i in self.layout[o]))
-            live.append(self.einsum(picked[0], picked[1], [i for i in seen if i in rest]))
+            keep = [i for i in seen if i in rest]
+            if not live:  # the last product: written in the result's order, not permuted after
+                keep = [i for i in out if i in keep] + [i for i in keep if i not in out]
+            live.append(self.einsum(picked[0], picked[1], keep))
         return live[0]
 
     def einsum(self, a: Var | Param, b: Var | Param, keep: list[str]) -> Var:
