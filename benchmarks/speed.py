@@ -189,7 +189,8 @@ def _goal(value: float, limit: float) -> str:
 def goals(rows: list[dict]) -> str:
     """tnspec <= 0.8x the best library of its format; <= 1.05x the better of dense and
     reconstruct-first; activation memory no worse than the best library's; the default order
-    within 10% of the fastest tnspec candidate; a tensorized ResNet-18 <= 0.5x the dense one."""
+    within 10% of the fastest tnspec candidate; a tensorized ResNet-18 <= 0.5x the dense one,
+    a MobileNetV2 <= 0.8x."""
     lines = ["| case | format | x best library (goal <= 0.80) | x min(dense, reconstruct) "
              "(goal <= 1.05) | memory vs best library (goal <= 1) | default vs fastest "
              "tnspec order (goal <= 1.10) |", "|---|---|---|---|---|---|"]
@@ -201,7 +202,8 @@ def goals(rows: list[dict]) -> str:
             f"{memory:.2f} {'met' if memory <= 1.001 else 'MISSED'}"
         ratio = r["x_dense_or_reconstruct"]
         cheaper = {"resnet18": _goal(ratio, 0.5) + " (goal <= 0.50)",
-                   "mobilenet_v2": f"{ratio:.2f} (no goal)"}.get(r["format"], _goal(ratio, 1.05))
+                   "mobilenet_v2": _goal(ratio, 0.8) + " (goal <= 0.80)"}.get(
+                       r["format"], _goal(ratio, 1.05))
         lines.append(f"| {r['case']} | {r['format']} | {_goal(r['x_anchor'], 0.8)} | {cheaper} | "
                      f"{m} | {_goal(r['x_fastest'], 1.10)} |")
     return "\n".join(lines)
