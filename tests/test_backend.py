@@ -309,3 +309,26 @@ def test_friendly_errors_for_wrong_python_arguments():
             tnspec.layer(text, max_elements=limit, **sizes)
         with pytest.raises(tnspec.SpecError, match=f"max_bytes={limit!r} must be a positive"):
             tnspec.layer(text, max_bytes=limit, **sizes)
+
+
+def test_autotune_always_times_the_reconstruct_first_order(monkeypatch):
+    """The cost model prices CP's dense-first order (the kernel rebuilt, one dense conv) far
+    above the factorized one, past PRUNE; it is timed all the same: it costs what the dense
+    layer would, and where the model overprices it, it is the floor."""
+    cp = "x[b, c, h+kh-1, w+kw-1], A[c, r], H[kh, r], V[kw, r], B[r, o] -> y[b, o, h, w]"
+    module = tnspec.layer(cp, c=128, o=128, r=1, kh=3, kw=3, autotune=True)
+    shape = (4, 128, 18, 18)
+    bound = tnspec.shapes.bind_shape(module.network, shape)
+    prices = {name: sum(s.seconds for s in tnspec.plan.plan(bound, name).steps)
+              for name in ("auto", "dense-first")}
+    assert prices["dense-first"] > tnspec.calibration.PRUNE * prices["auto"]
+    dense_first = tnspec.runtime.source_of(tnspec.runtime.layer_class(
+        module.network, tnspec.plan.plan(bound, "dense-first")).forward)
+    timed = []
+
+    def fake(self, classes, shape, repeats, channels_last=False):
+        timed.extend(tnspec.runtime.source_of(c.forward) for c in classes)
+        return quiet([1.0] * len(classes))
+    monkeypatch.setattr(tnspec.Layer, "_time", fake)
+    compare(module, torch.randn(*shape))
+    assert dense_first in timed

@@ -35,7 +35,9 @@ def fastest(layer: Any, shape: tuple[int, ...], channels_last: bool = False,
     model's order stays unless another leads it (:meth:`Timing.leads`: by 10%,
     ``calibration.MARGIN``, and by more than the spread of either) in two independent sets
     of rounds, the second against the model's order alone; an order the cost model prices at
-    more than ``calibration.PRUNE`` times the cheapest is not timed. The cache entry keeps
+    more than ``calibration.PRUNE`` times the cheapest is not timed, except dense-first (the
+    kernel rebuilt, then the dense op: what the dense layer costs, and a floor where the
+    model overprices it). The cache entry keeps
     every candidate's median and spread, the machine's load and threads, and when; it is
     keyed by the network with its names made canonical (``calibration.canonical``), so that
     the same network under other names recalls it. A lead measured while as many other
@@ -64,8 +66,11 @@ def fastest(layer: Any, shape: tuple[int, ...], channels_last: bool = False,
         predicted = [sum(s.seconds for s in p.steps) for p in plans]
     candidates: dict[str, tuple[type, Plan]] = {}  # distinct orders: their class and plan
     for i, candidate in enumerate(plans):
-        if i and predicted[i] > calibration.PRUNE * min(predicted):
-            continue  # not worth timing (see PRUNE); the model's own order always is
+        if i and predicted[i] > calibration.PRUNE * min(predicted) and \
+                candidate.planner != "dense-first":
+            # not worth timing (see PRUNE); the model's own order always is, and so is the
+            # reconstruct-first one, which costs what the dense layer would
+            continue
         key = _describe(candidate)
         if key not in candidates:
             candidates[key] = (runtime.layer_class(layer.network, candidate, channels_last),
