@@ -57,7 +57,8 @@ def test_stages_import_only_what_lies_above_them():
     assert graph["lookup"] <= {"ir", "errors", "cost", "shapes", "program"}  # no Lark
     assert graph["shapes"] <= {"ir", "errors"}
     assert graph["measure"] <= {"cost"}
-    assert graph["calibration"] <= {"cache", "cost", "measure", "progress"}
+    assert graph["calibration"] <= {"cache", "choices", "cost", "measure", "progress"}
+    assert graph["choices"] == set()  # plain text about cached entries
     assert graph["cache"] == set()  # the file alone: no model, no torch
     # workflows above Layer: adapters build layers through the API, they plan nothing
     assert graph["adapters"] <= {"api", "convert", "decompose", "dense", "errors", "formats",

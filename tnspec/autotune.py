@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from . import calibration, runtime
+from . import calibration, choices, runtime
 from .errors import SpecError
 from .lookup import LookupPlan, lookup_candidates
 from .plan import Plan, plan
@@ -39,7 +39,7 @@ def fastest(layer: Any, shape: tuple[int, ...], channels_last: bool = False,
     kernel rebuilt, then the dense op: what the dense layer costs, and a floor where the
     model overprices it). The cache entry keeps
     every candidate's median and spread, the machine's load and threads, and when; it is
-    keyed by the network with its names made canonical (``calibration.canonical``), so that
+    keyed by the network with its names made canonical (``choices.canonical``), so that
     the same network under other names recalls it. A lead measured while as many other
     threads ran as there are CPUs is used but not kept in the cache; a recalled order other
     than the model's is timed against it once a process (``RECHECK_REPEATS`` rounds), and where its
@@ -81,7 +81,7 @@ def fastest(layer: Any, shape: tuple[int, ...], channels_last: bool = False,
         candidates[key] = (runtime.layer_class(layer.network, plans[0], convert=True), plans[0])
     if len(candidates) == 1:
         return (*next(iter(candidates.values())), "one candidate order, nothing timed")
-    canon = calibration.canonical(layer.spec)
+    canon = choices.canonical(layer.spec)
     # in order of first appearance in the spec (the canonical names' order)
     sizes = ", ".join(f"{canon(k)}={v}" for k, v in sorted(
         layer.sizes.items(), key=lambda kv: int(canon(kv[0])[1:])))

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from ._version import __version__
-from . import calibration
+from . import calibration, choices
 from .api import compile, compile_all, generate
 from .report import explain
 from .shapes import example_shape
@@ -232,7 +232,7 @@ def _calibrate(args: argparse.Namespace) -> int:
             if key.split(" | ", 3)[:3] != device_part:
                 device_part = key.split(" | ", 3)[:3]
                 print("\n" + " | ".join(device_part) + ":")
-            print(calibration.describe_choice(key, value))
+            print(choices.describe(key, value))
         return EXIT_OK
     found = calibration.calibrate(device, getattr(torch, args.dtype),
                                   refresh=args.refresh)

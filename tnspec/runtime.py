@@ -60,7 +60,7 @@ def fingerprint(*classes: type, rename: Callable[[str], str] = str) -> str:
     with their names and constants, not comments or line numbers (which carry FLOP counts of
     the shape it was planned for). Two builds of tnspec that lower an order differently give
     different fingerprints, so orders timed by one are not recalled for the other.
-    ``rename`` maps names and string constants first (``calibration.canonical``), and local
+    ``rename`` maps names and string constants first (``choices.canonical``), and local
     variables count by position only: their names, and the order of the factors of a size
     product (sorted by name), are all that renaming a network changes, so that it has the
     same digest."""
