@@ -713,3 +713,27 @@ def test_the_cli_shows_the_measured_choices_with_margins_and_forgets_a_pattern(
     assert gone.returncode == 0 and "dropped 1 measured choices" in gone.stdout
     calibration.forget()
     assert len(calibration.choices()) == mixing and calibration.drop("batch") == mixing
+
+
+def test_time_orders_reads_the_injected_clock_into_medians_and_spreads(monkeypatch):
+    """Each class's forward and backward is timed by ``autotune.clock`` in interleaved rounds
+    (the first one a warm-up): a fake clock that makes the second class's calls take 0.5 s
+    in every round but one gives it a median of 0.5 s and the spread of its middle half."""
+    from tnspec import autotune
+    layer = tnspec.layer(TUCKER2, c=4, o=4, r0=2, r1=2, kh=3, kw=3, autotune=False)
+    shape = (2, 4, 6, 6)
+    classes = [layer._planned(shape)] * 2
+    durations = [1.0, 0.5, 1.1, 0.5, 0.9, 0.5, 1.0, 2.0, 1.2, 0.5]  # rounds of (model, other)
+    # each call of the clock moves it on: nothing before a start (the warm-up round reads
+    # only starts), a duration before an end
+    steps = iter([0.0, 0.0] + [x for d in durations for x in (0.0, d)])
+    now = [0.0]
+
+    def fake() -> float:
+        now[0] += next(steps)
+        return now[0]
+    monkeypatch.setattr(autotune, "clock", fake)
+    model, other = autotune.time_orders(layer, classes, shape, repeats=5)
+    assert model.median == pytest.approx(1.0) and other.median == pytest.approx(0.5)
+    assert model.spread == pytest.approx(0.1) and other.spread == pytest.approx(0.0)
+    assert other.leads(model) and not model.leads(other)
