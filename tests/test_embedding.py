@@ -227,3 +227,11 @@ def test_embedding_format_checks_its_arguments():
         tnspec.embedding("tt", 100, 8, modes=((4, 4), (2, 4)))
     budget = tnspec.embedding("tt", 10000, 64, rank=0.05)
     assert sum(p.numel() for p in budget.parameters()) <= 0.05 * 10000 * 64
+
+
+def test_first_call_log_names_the_index_shape_not_the_one_hot_axis(caplog):
+    emb = tnspec.embedding("tt", 1000, 16, rank=2)
+    with caplog.at_level("DEBUG", logger="tnspec"):
+        emb(torch.randint(0, 1000, (3, 7)))
+    said = [r.getMessage() for r in caplog.records if "first call took" in r.getMessage()]
+    assert said and "for [21] indices: first call took" in said[0], said

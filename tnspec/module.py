@@ -289,7 +289,10 @@ class Layer(nn.Module):
         spent = time.perf_counter() - start
         # a first call that blocks for seconds should not be silent (see the README, Speed)
         logger.log(logging.INFO if spent > 1.0 else logging.DEBUG,
-                   "%s for input %s: first call took %.2f s (%s)%s", self.spec, list(shape),
+                   "%s for %s: first call took %.2f s (%s)%s", self.spec,
+                   # a lookup's planned shape ends in the one-hot axis the caller never sees
+                   f"{list(shape[:-1])} indices" if self.network.lookup else
+                   f"input {list(shape)}",
                    spent, work, "; to avoid it: warm up with one call per shape, keep the "
                    "calibration cache, or autotune=False" if spent > 1.0 else "")
         classes[key] = cls
