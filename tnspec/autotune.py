@@ -103,7 +103,7 @@ def fastest(layer: Any, shape: tuple[int, ...], channels_last: bool = False,
             again = layer._time([classes[0], classes[k]], shape, RECHECK_REPEATS,
                                 channels_last)
             if not again[1].median < calibration.MARGIN * again[0].median:
-                if not _busy(device):  # on a busy machine: not kept either way
+                if not calibration.busy(device.type):  # on a busy machine: not kept either way
                     calibration.remember(device, dtype, what, {
                         **found, "order": keys[0], "seconds": again[0].median,
                         "when": time.time(), "dropped": f"{keys[k]} led no more "
@@ -121,7 +121,7 @@ def fastest(layer: Any, shape: tuple[int, ...], channels_last: bool = False,
             best = 0
     else:
         best = 0  # the model's order, which `tnspec compile` writes, unless clearly faster
-    busy = bool(best) and _busy(device)
+    busy = bool(best) and calibration.busy(device.type)
     if kept and not busy:
         # a lead measured while other threads took the CPUs runs here but is not kept: the
         # next process times again (the model's order is kept, busy or not: it is the default)
@@ -166,12 +166,6 @@ def _describe(candidate: Any) -> str:
     if isinstance(candidate, LookupPlan):
         return "cut " + " | ".join(" ".join(r.modes) for r in candidate.runs)
     return repr(tuple((s.left.indices, s.right.indices, s.op) for s in candidate.steps))
-
-
-def _busy(device: torch.device) -> bool:
-    """Whether as many other threads run as there are CPUs (a CPU device only)."""
-    others = calibration.others_running() if device.type == "cpu" else None
-    return others is not None and others >= (os.cpu_count() or 1)
 
 
 #: rounds of the once-a-process check of a recalled order that is not the model's

@@ -163,8 +163,7 @@ def calibrate(device: torch.device | str = "cpu", dtype: torch.dtype = torch.flo
         spread = sorted(s.spread for s in samples)[len(samples) // 2]
         others = max((n for n in (before, others_running()) if n is not None), default=None)
         found_doubts = doubts(model, error, spread, torch.device(device).type)
-        if others is not None and others >= (os.cpu_count() or 1) and \
-                torch.device(device).type == "cpu":
+        if others is not None and busy(torch.device(device).type, others):
             found_doubts.append(f"{others} other threads running on {os.cpu_count()} CPUs")
         if not found_doubts:
             break
@@ -240,6 +239,15 @@ def others_running() -> int | None:
             return None
         time.sleep(0.002)
     return sorted(counts)[2]
+
+
+def busy(device_type: str = "cpu", others: int | None = None) -> bool:
+    """Whether as many other threads run as there are CPUs (``others``, read now unless
+    given); never for a device other than a CPU. A measurement taken then is not kept."""
+    if device_type != "cpu":
+        return False
+    others = others_running() if others is None else others
+    return others is not None and others >= (os.cpu_count() or 1)
 
 
 def _conditions(c: dict[str, Any]) -> str:
