@@ -96,6 +96,17 @@ def network(net: Any) -> None:
     for name, formula in net.derived:
         _name(name, "derived size")
         _formula(formula)
+    # each size is printed once (a parameter of __init__, or folded), as the index has it
+    bound = {ix.name: ix.size for ix in net.indices}
+    sized = [n for n, _ in net.params] + [n for n, _ in net.derived]
+    for name in sized:
+        if sized.count(name) > 1:
+            raise SpecError(f"size {name!r} is given twice in the Network's params and derived "
+                            "sizes", hint=_HINT)
+    for name, value in [*net.params, *((n, f[1]) for n, f in net.derived if f[0] == "int")]:
+        if bound.get(name) not in (None, value):
+            raise SpecError(f"size {name!r} is {value} in the Network's sizes but its index "
+                            f"has size {bound[name]}", hint=_HINT)
     o = net.options
     choices = ((o.init, INITS, "init"), (o.distribution, DISTRIBUTIONS, "distribution"),
                (o.stride_count, STRIDE_COUNTS, "stride_count"))
