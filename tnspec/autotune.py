@@ -49,20 +49,20 @@ def fastest(layer: Any, shape: tuple[int, ...], channels_last: bool = False,
     left as they are. Returns the class, the plan whose order it runs, and what was done in
     words."""
     bound = bind_shape(layer.network, shape)
+    measured = layer._measured()
     plans: list[Any] = []
     if layer.network.lookup:  # an index input: the cuts of its modes into gathered runs
-        model = layer._measured()["model"]
-        plans = lookup_candidates(bound, model, max_bytes=layer.max_bytes,
+        plans = lookup_candidates(bound, measured["model"], max_bytes=layer.max_bytes,
                                   itemsize=layer._itemsize())
-        predicted = [model.einsum(p.flops // 2, p.elements) for p in plans]
-    for name in () if plans else ("auto", "greedy", "dense-first", "left-to-right"):
-        try:
-            plans.append(plan(bound, name, max_bytes=layer.max_bytes,
-                              itemsize=layer._itemsize(), **layer._measured()))
-        except SpecError:
-            if name == "auto":
-                raise  # the layer's own error for this shape
-    if not layer.network.lookup:
+        predicted = [measured["model"].einsum(p.flops // 2, p.elements) for p in plans]
+    else:
+        for name in ("auto", "greedy", "dense-first", "left-to-right"):
+            try:
+                plans.append(plan(bound, name, max_bytes=layer.max_bytes,
+                                  itemsize=layer._itemsize(), **measured))
+            except SpecError:
+                if name == "auto":
+                    raise  # the layer's own error for this shape
         predicted = [sum(s.seconds for s in p.steps) for p in plans]
     candidates: dict[str, tuple[type, Plan]] = {}  # distinct orders: their class and plan
     for i, candidate in enumerate(plans):

@@ -68,13 +68,11 @@ def dense_weight(net: Network, cores: Mapping[str, Tensor]) -> Tensor:
 
 def lookup_table(net: Network, cores: Mapping[str, Tensor]) -> Tensor:
     """The ``(rows of the modes, output size)`` table of a network with an index input."""
-    written = len(net.input.axes) - 1
-    out = [i for axis in net.output.axes[written:] for i in axis]
     operands: list = []
     for core in net.cores:
         operands += [cores[core.name], list(core.indices)]
-    table = opt_einsum.contract(*operands, [*net.input.axes[-1], *out])
-    return table.reshape(math.prod(net.sizes[i] for i in net.input.axes[-1]), -1)
+    table = opt_einsum.contract(*operands, [*net.input.axes[-1], *net.embedded])
+    return table.reshape(net.table_rows, -1)
 
 
 def _unflipped(net: Network, name: str, tensor: Tensor) -> Tensor:

@@ -198,8 +198,18 @@ class Network:
     def vocabulary(self) -> int:
         """An index input's number of valid indices (``num_embeddings``, default the product
         of its modes)."""
-        modes = math.prod(self.sizes[i] for i in self.input.axes[-1])
-        return self.options.num_embeddings or modes
+        return self.options.num_embeddings or self.table_rows
+
+    @property
+    def table_rows(self) -> int:
+        """An index input's rows: the product of its modes (the one-hot axis's length)."""
+        return math.prod(self.sizes[i] for i in self.input.axes[-1])
+
+    @property
+    def embedded(self) -> tuple[str, ...]:
+        """An index input's output indices per lookup: the output's after the axes it repeats
+        from the input."""
+        return tuple(i for axis in self.output.axes[len(self.input.axes) - 1:] for i in axis)
 
     def core_numel(self, core: Tensor) -> int:
         """Elements of ``core`` at the bound sizes."""

@@ -143,7 +143,7 @@ def _price(net: Network, cut: tuple[int, ...]) -> LookupPlan | None:
         owner = {c.name: 0 for c in net.cores}
     cores = {c.name: c for c in net.cores}
     static = tuple(c.name for c in net.cores if c.name not in owner)
-    out = [i for axis in net.output.axes[len(net.input.axes) - 1:] for i in axis]
+    out = net.embedded
     runs, flops, elements = [], 0, 0
     for k, group in enumerate(groups):
         mine = [c for c in net.cores if owner.get(c.name) == k]
@@ -220,7 +220,7 @@ class _Lowering(Builder):
                 comment=f"each lookup's slice of ({' '.join(run.modes)})"))
         for name in plan.static:
             operands.append(self.core(name))
-        out = [i for axis in net.output.axes[written:] for i in axis]
+        out = list(net.embedded)
         result = self.contract(operands, [LOOKUP, *out], plan.path)
         shape = [Size.of(n)] + [self.product(axis) for axis in net.output.axes[written:]]
         result = self.arrange(result, [LOOKUP, *out], shape)

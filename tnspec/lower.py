@@ -285,10 +285,11 @@ class _Lowering(Builder):
         comment = f"einsum, {step.flops:,} FLOPs: {what}"
         names = list(dict.fromkeys(a + b))
         if base in self.wanted and set(self.wanted[base]) == set(out) and \
-                set(a) | set(b) <= set(out) | (set(a) & set(b)):
-            if set(a) - set(out) and set(a) - set(b) and set(b) - set(a):
-                return self.weight(step, left, right, base, comment)  # a matrix product
-            out = _nearest(a, b, out, self.wanted[base])  # an outer product: einsum's
+                set(a) | set(b) <= set(out) | (set(a) & set(b)):  # nothing summed on one side
+            order = _nearest(a, b, out, self.wanted[base])
+            if set(a) - set(out) and set(a) - set(b) and set(b) - set(a):  # a matrix product
+                return self.weight(step, left, right, order, base, comment)
+            out = order  # an outer product: torch.einsum writes it contiguous in this order
             dims = [self.dim(left, i) if i in a else self.dim(right, i) for i in out]
         if len(names) <= len(_LETTERS):
             letter = dict(zip(names, _LETTERS))
@@ -319,20 +320,19 @@ class _Lowering(Builder):
         holder = self.reshape_to(merged, flat, [by_index[i] for i in flat], base + "_r")
         return self.arrange(holder, out, dims)
 
-    def weight(self, step: Step, left: Var | Param, right: Var | Param, base: str,
-               comment: str) -> Var | Param:
+    def weight(self, step: Step, left: Var | Param, right: Var | Param,
+               order: tuple[str, ...], base: str, comment: str) -> Var | Param:
         """A step that builds the weight of a later conv or linear (reconstruct-first), as
-        one ``torch.matmul`` of the two operands flattened, its result in the order
-        (:func:`_nearest`) one permute from the layout that step reads: ``torch.einsum``
-        would permute it back, and the consumer copy it again."""
+        one ``torch.matmul`` of the two operands flattened, its result in ``order``
+        (:func:`_nearest`: one permute from the layout that step reads); ``torch.einsum``
+        would permute it back to the step's order, and the consumer copy it again."""
         a, b, out = step.left.indices, step.right.indices, step.result.indices
-        order = _nearest(a, b, out, self.wanted[base])
         batch = [i for i in order if i in a and i in b]
         contracted = [i for i in a if i in b and i not in out]
-        first = [i for i in order[len(batch):] if (i in a) == (order[len(batch)] in a)]
-        second = [i for i in order if i not in batch and i not in first]
-        if first and first[0] not in a:  # the right operand's own indices come first
-            left, right = right, left
+        own = order[len(batch):]
+        if own[0] not in a:  # the right operand's own indices come first: it goes left
+            left, right, a = right, left, b
+        first, second = [i for i in own if i in a], [i for i in own if i not in a]
         dims = {i: self.dim(h, i) for h in (left, right) for i in self.layout[h]}
         lm = self.merged(left, [batch, first, contracted])
         rm = self.merged(right, [batch, contracted, second])

@@ -135,7 +135,7 @@ class Layer(nn.Module):
         """The planned shape of an index input of ``shape``: its axes (any number where the
         spec writes one: their product) and the modes' one-hot axis."""
         written = len(self.network.input.axes) - 1
-        modes = math.prod(self.sizes[i] for i in self.network.input.axes[-1])
+        modes = self.network.table_rows
         if written == 1:
             return (math.prod(shape), modes)
         if len(shape) != written:
@@ -187,9 +187,7 @@ class Layer(nn.Module):
         pad = self.network.options.padding_idx
         if pad is None:
             return table
-        keep = torch.ones(table.shape[0], 1, dtype=table.dtype, device=table.device)
-        keep[pad] = 0
-        return table * keep
+        return table.index_fill(0, torch.tensor([pad], device=table.device), 0.0)
 
     def fit_(self, weight: torch.Tensor, *, inputs: torch.Tensor | None = None,
              max_iter: int = 200, tol: float = 1e-7, starts: int = 4, hops: int = 64,
@@ -227,7 +225,7 @@ class Layer(nn.Module):
             if metric is not None:
                 raise SpecError("inputs= fits the outputs of conv and linear layers; an "
                                 "embedding is fitted to its table", hint="drop inputs=")
-            rows = math.prod(self.sizes[i] for i in self.network.input.axes[-1])
+            rows = self.network.table_rows
             if weight.dim() != 2 or weight.shape[0] > rows:
                 raise SpecError(f"fit_ takes the ({self.num_embeddings}, {self.embedding_dim}) "
                                 f"table, got shape {list(weight.shape)}")

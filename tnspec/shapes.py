@@ -352,8 +352,7 @@ def nn_attributes(g: Geometry, size: Callable[[str], Any]) -> dict[str, Any]:
 def embedding_attributes(net: Network, size: Callable[[str], Any]) -> dict[str, Any]:
     """The attributes ``nn.Embedding`` has, for a network with an index input (as
     :func:`nn_attributes`: ints for a layer, source text for generated code)."""
-    written = len(net.input.axes) - 1
-    dims = [size(i) for axis in net.output.axes[written:] for i in axis]
+    dims = [size(i) for i in net.embedded]
     modes = [size(i) for i in net.input.axes[-1]]
     vocabulary = net.options.num_embeddings
     return {"num_embeddings": _product(modes) if vocabulary is None else vocabulary,
