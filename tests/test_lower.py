@@ -129,3 +129,38 @@ def test_the_last_conv_gives_the_output_channels_in_the_outputs_order():
     want = torch.nn.functional.conv2d(x, layer.dense_weight(), layer.bias.reshape(-1),
                                       padding=1)
     torch.testing.assert_close(layer(x), want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_channel_mixing_by_einsum_keeps_no_copy_of_the_data_for_backward(monkeypatch,
+                                                                          channels_last):
+    """A mixing step that runs as an einsum multiplies views of the data: over a contiguous
+    input a torch.bmm of the (r, c) weight expanded over the batch and the (b, c, h*w) data
+    (an einsum would copy the data channels-last and keep that copy for backward), over a
+    channels-last one the einsum itself, whose permute is then a view. Either way nothing
+    input-sized but the input itself is saved, and the result is the dense conv's."""
+    monkeypatch.setattr(tnspec.calibration, "chooser", lambda *a, **k: lambda step: "einsum")
+    layer = tnspec.layer("x[b, c, h+kh-1, w+kw-1], A[c, r], KH[kh, r], KW[kw, r], B[r, o] "
+                         "-> y[b, o, h, w]", c=24, o=24, r=3, kh=3, kw=3, planner="left-to-right",
+                         autotune=False)
+    x = torch.randn(4, 24, 9, 9, requires_grad=True)
+    if channels_last:
+        x = x.detach().contiguous(memory_format=torch.channels_last).requires_grad_(True)
+    saved = []
+
+    def keep(t):
+        saved.append(t)
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        y = layer(x)
+    source = tnspec.runtime.source_of(layer._last_class.forward)
+    assert ("torch.bmm(A_e, x_r)" in source) is not channels_last
+    assert ("torch.einsum('abcd,be->aecd', x, self.A)" in source) is channels_last
+    copies = [t for t in saved if t.numel() >= x.numel() and
+              t.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()]
+    assert not copies
+    want = torch.nn.functional.conv2d(x, layer.dense_weight(), layer.bias, padding=1)
+    torch.testing.assert_close(y, want, rtol=1e-4, atol=1e-5)
+    (gx,) = torch.autograd.grad(y, x, torch.ones_like(want))
+    (gw,) = torch.autograd.grad(want, x, torch.ones_like(want))
+    torch.testing.assert_close(gx, gw, rtol=1e-4, atol=1e-4)

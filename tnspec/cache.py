@@ -27,7 +27,7 @@ from typing import Any, Callable, Iterator
 
 ENV_DIR = "TNSPEC_CACHE_DIR"
 FILE_NAME = "calibration.json"
-FORMAT = 2  # bumped when the measurement or the model changes; older entries are re-measured
+FORMAT = 3  # bumped when the measurement or the model changes; older entries are re-measured
 #: the most measured choices kept; the oldest written go first (a layer that sees many shapes,
 #: or many layers over months, would otherwise grow the file without end)
 MAX_CHOICES = 4096

@@ -280,6 +280,10 @@ class _Lowering(Builder):
 
     def einsum(self, step: Step, left: Var | Param, right: Var | Param, base: str,
                what: str) -> Var:
+        if step.data_side and not self.channels_last:
+            mixed = self.matmul(step, left, right, base, what)
+            if mixed is not None:
+                return mixed
         a, b, out = step.left.indices, step.right.indices, step.result.indices
         dims = [self.dim(left, i) if i in a else self.dim(right, i) for i in out]
         comment = f"einsum, {step.flops:,} FLOPs: {what}"
@@ -319,6 +323,45 @@ class _Lowering(Builder):
         flat = batch + free_a + free_b
         holder = self.reshape_to(merged, flat, [by_index[i] for i in flat], base + "_r")
         return self.arrange(holder, out, dims)
+
+    def matmul(self, step: Step, left: Var | Param, right: Var | Param, base: str,
+               what: str) -> Var | None:
+        """Channel mixing of contiguous data, ``W[o, c] x[p, c, s] -> y[p, o, s]``, as one
+        ``torch.bmm`` of the weight expanded over ``p`` (a view) and a view of the data:
+        ``torch.einsum`` would copy the data channels-last and keep that copy for backward,
+        and ``torch.matmul`` folds the batch the same way. None where the data's layout is
+        not (kept, contracted, kept) or an index is a group or summed on one side."""
+        a, b, out = step.left.indices, step.right.indices, step.result.indices
+        layout = self.layout[left]
+        contracted = [i for i in layout if i in b]
+        if not contracted or set(a) - set(b) - set(out) or set(b) & set(out) & set(a) or \
+                set(b) - set(a) - set(out) or set(contracted) & set(out):
+            return None
+        first = layout.index(contracted[0])
+        if tuple(layout[first:first + len(contracted)]) != tuple(contracted):
+            return None
+        before, after = layout[:first], layout[first + len(contracted):]
+        if not after:
+            return None
+        outputs = [i for i in out if i in b]
+
+        def length(indices: Sequence[str], holder: Var | Param) -> Size:
+            return math.prod((self.dim(holder, i) for i in indices), start=Size.of(1))
+        p, c, s, o = length(before, left), length(contracted, left), length(after, left), \
+            length(outputs, right)
+        w = self.arrange(right, outputs + contracted, [o, c])
+        w = self.call(right.name + "_e", ".expand", w, p, -1, -1, layout=("", "", ""),
+                      dims=[p, o, c])
+        x = self.reshape_to(left, (axis_text(before), axis_text(contracted), axis_text(after)),
+                            [p, c, s], left.name + "_r")
+        y = self.call(base + "_mm", "torch.bmm", w, x, layout=("", "", ""), dims=[p, o, s],
+                      comment=f"channel mixing as a batched matmul, {step.flops:,} FLOPs: {what}")
+        natural = tuple(before) + tuple(outputs) + tuple(after)
+        dims = [self.dim(left, i) if i in layout else self.dim(right, i) for i in natural]
+        y = self.reshape_to(y, natural, dims, base)
+        if natural != out:
+            y = self.arrange(y, out, [dims[natural.index(i)] for i in out])
+        return y
 
     def weight(self, step: Step, left: Var | Param, right: Var | Param,
                order: tuple[str, ...], base: str, comment: str) -> Var | Param:

@@ -148,6 +148,10 @@ def time_mixing(step: Mixing, device: torch.device | str, dtype: torch.dtype,
     with torch.inference_mode(False), torch.enable_grad():
         runs = [bench.step(lambda x, w: conv(x, w, groups=g), bench.rand(b, g * cin, *spatial),
                            bench.rand(g * cout, cin, *(1,) * len(spatial))),
+                # without groups, lowering runs the einsum as a matmul over views of the data
+                bench.step(lambda x, w: torch.bmm(w.expand(b, -1, -1), x),
+                           bench.rand(b, cin, math.prod(spatial)), bench.rand(cout, cin))
+                if g == 1 else
                 bench.step(lambda x, w: torch.einsum("bgcs,gco->bgos", x, w),
                            bench.rand(b, g, cin, math.prod(spatial)), bench.rand(g, cin, cout))]
         times = bench.rounds(runs, repeats)
