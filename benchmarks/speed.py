@@ -325,13 +325,16 @@ def main(argv: list[str] | None = None) -> int:
         dense, tensorized, what = models.pair(name)
         print(f"\n{name}: {what}")
         image = torch.randn(batches[0], 3, 32, 32, device=device)
-        run(f"{name}-like b={batches[0]}", [], dense, image, min(repeats, 5), args.smoke,
+        # steps of about a second, which a busy spell of a few seconds moves by 2x: medians
+        # of at least 11 rounds (5 gave ratios from 0.51 to 0.86 for the same networks)
+        steps = repeats if args.smoke else max(repeats, 11)
+        run(f"{name}-like b={batches[0]}", [], dense, image, steps, args.smoke,
             extra=((name, "tnspec", tensorized),))
         # the whole network channels-last end to end, the dense one too (case() converts both;
         # fresh copies: layers that ran the contiguous case keep its plans and timings)
         dense, tensorized, _ = models.pair(name)
         run(f"{name}-like b={batches[0]} channels_last", [], dense,
-            image.contiguous(memory_format=torch.channels_last), min(repeats, 5), args.smoke,
+            image.contiguous(memory_format=torch.channels_last), steps, args.smoke,
             extra=((name, "tnspec", tensorized),))
     print("\n" + table(rows) + "\n\n" + goals(rows))
     if args.write and not (args.smoke or args.quick):

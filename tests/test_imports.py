@@ -56,6 +56,7 @@ def test_stages_import_only_what_lies_above_them():
     assert graph["plan"] <= {"ir", "errors", "cost", "shapes", "problem", "paths", "lookup"}
     assert graph["lookup"] <= {"ir", "errors", "cost", "shapes", "program"}  # no Lark
     assert graph["shapes"] <= {"ir", "errors"}
+    assert graph["products"] <= {"plan", "program", "shapes"}  # a part of lower
     assert graph["measure"] <= {"cost"}
     assert graph["calibration"] <= {"cache", "choices", "cost", "measure", "progress"}
     assert graph["choices"] == set()  # plain text about cached entries
