@@ -171,14 +171,18 @@ def test_default_torch_compile_of_every_lowering_pattern_across_sizes(tmp_path, 
     generated layers matches eager, forward and backward, at 3 spatial and batch sizes. At
     these sizes the cost model mixes channels by a matrix product; "1x1" forces 1x1 convs, 1-D
     over the flattened axes for a contiguous input, 2-D for a channels-last one (on the two
-    layers with a mixing step before and after a conv, grouped or not: compiling takes time)."""
+    layers with a mixing step before and after a conv, grouped or not: compiling takes time).
+    The generated kind compiles all five layers; the inline kind, which runs the same code
+    (tests/test_one_executor.py) behind trace-time planning, two of them (a plain and a
+    grouped-mode input), every layer's tracing being checked cheaply by the one-graph test."""
     torch._dynamo.reset()
     last = kind.endswith("channels_last")
     if "1x1" in kind:
         monkeypatch.setattr(tnspec.calibration, "chooser",
                             lambda *a, **k: lambda step: "conv1x1")
     model = _zoo_model(tmp_path, monkeypatch, kind.split()[0],
-                       ("tucker2", "htk2") if "1x1" in kind else ())
+                       ("tucker2", "htk2") if "1x1" in kind else
+                       ("cp", "tr") if kind == "inline" else ())
     if kind == "generated":  # the patterns above are all there (built-in cost model)
         assert "torch.bmm(U_e, x_r)" in generate(ZOO)
     compiled = torch.compile(model)
@@ -201,6 +205,23 @@ def test_default_torch_compile_of_every_lowering_pattern_across_sizes(tmp_path, 
     if "1x1" in kind:
         source = "".join(tnspec.runtime.source_of(m._last_class.forward) for m in model[::2])
         assert ("F.conv1d" in source) is not last and "1x1 conv" in source
+
+
+def test_a_network_of_inline_layers_compiles_to_one_graph_at_every_size():
+    """Five different inline layers in one model trace as one graph, with no graph break, at
+    a first size and at two later ones (dynamic shapes): the traced code finds each layer's
+    class on the layer. (It once looked it up in a module-level dict that dynamo had read
+    before the class was in it: every layer broke the graph and was compiled as a frame of
+    its own, and past torch's recompile limit the later layers ran eagerly.)"""
+    torch._dynamo.reset()
+    model = torch.nn.Sequential(*[m for net in tnspec.compile_all(ZOO)
+                                  for m in (tnspec.Layer(net), torch.nn.ReLU())])
+    for shape in ((2, 8, 16, 16), (3, 8, 12, 12), (5, 8, 9, 7)):
+        x = torch.randn(shape)
+        explained = torch._dynamo.explain(model)(x)
+        assert (explained.graph_count, explained.graph_break_count) == (1, 0), \
+            explained.break_reasons
+        torch.testing.assert_close(torch.compile(model, backend="eager")(x), model(x))
 
 
 def test_the_compile_plan_is_a_dynamo_constant_and_not_made_at_construction():

@@ -95,6 +95,7 @@ class Layer(nn.Module):
         name = f"layer{next(_names)}"
         _TRACED[name] = self
         self.__dict__["_trace_name"] = name
+        self.__dict__.pop("_traced_class", None)
         self._classes: OrderedDict[tuple, type] = OrderedDict()
         self._plans: dict[tuple, tuple[tuple[int, ...], Plan]] = {}  # each class's shape, plan
         self._last_class: type | None = None
@@ -108,6 +109,7 @@ class Layer(nn.Module):
         for name in ("_classes", "_plans", "_last_class", "_last_shape", "_last_stride",
                      "_last_autocast", "_trace_name"):
             del state[name]
+        state.pop("_traced_class", None)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -355,8 +357,10 @@ class Layer(nn.Module):
         try:  # free unless raised: a list fails on .shape, an array inside the generated code
             if _is_compiling():
                 # planning is plain Python that dynamo should not trace: it runs once, at
-                # trace time, as a constant (see _compilable_key)
-                cls = _COMPILABLE[_compilable_key(self._trace_name)]
+                # trace time, as a constant, and leaves the class on the layer (see
+                # _compilable_key)
+                _compilable_key(self._trace_name)
+                cls = self._traced_class
             elif x.shape == self._last_shape and x.stride() == self._last_stride and \
                     _autocast("cuda" if x.is_cuda else "cpu") == self._last_autocast:
                 cls = self._last_class  # the hot path: the same shape, layout and precision
@@ -403,8 +407,6 @@ def _autocast(device_type: str) -> torch.dtype | None:
 _AUTOCAST_DEVICES = frozenset({"cpu", "cuda", "xpu", "mps", "hpu", "xla", "mtia", "ipu"})
 
 
-#: the classes compiled layers trace, by the name of their generated source
-_COMPILABLE: dict[str, type] = {}
 #: every layer by the name it is traced under: dynamo takes a constant function's arguments
 #: as constants, which a module is not in every torch release (2.11 refuses it)
 _TRACED: weakref.WeakValueDictionary[str, Layer] = weakref.WeakValueDictionary()
@@ -412,14 +414,18 @@ _names = itertools.count()
 
 
 def _compilable_key(name: str) -> str:
-    """Plan and load the ``_compilable_class()`` of the layer traced as ``name``; the key it is
-    kept under. Dynamo calls this once per trace and takes the result as a constant, so that
-    tracing (and ``fullgraph`` compiling before any eager call) needs no planning in the traced
-    code."""
-    cls = _TRACED[name]._compilable_class()
-    key = cls.forward.__code__.co_filename
-    _COMPILABLE[key] = cls
-    return key
+    """Plan and load the ``_compilable_class()`` of the layer traced as ``name``, leave it on
+    the layer as ``_traced_class`` and return the name of its generated source. Dynamo calls
+    this once per trace and takes the result as a constant, so that tracing (and ``fullgraph``
+    compiling before any eager call) needs no planning in the traced code. The class is an
+    attribute of the layer, not an entry of a module-level dict: dynamo keeps what it first
+    read of a global dict for the whole trace, so the lookup raised KeyError, which broke the
+    graph at every layer and compiled each as a frame of its own (layers share that frame's
+    code, so past torch's recompile limit of 8 they ran eagerly)."""
+    layer = _TRACED[name]
+    cls = layer._compilable_class()
+    layer.__dict__["_traced_class"] = cls
+    return cls.forward.__code__.co_filename
 
 
 # what torch._dynamo.assume_constant_result sets; written here so that ``import tnspec`` does

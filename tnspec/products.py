@@ -21,11 +21,16 @@ _LETTERS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
 
 
 class Products(Builder):
-    channels_last: bool
-    wanted: dict[str, tuple[str, ...]]
+    """The emitters of product steps; ``lower._Lowering`` adds the program around them."""
+
+    channels_last: bool  # the program is laid out for a channels-last input
+    wanted: dict[str, tuple[str, ...]]  # the layout a conv or linear step reads its weight in
 
     def einsum(self, step: Step, left: Var | Param, right: Var | Param, base: str,
-               what: str) -> Var:
+               what: str) -> Var | Param:
+        """A step without a convolution: a batched matmul where :meth:`matmul` applies, the
+        next step's weight where a conv or linear step reads the result, else one
+        ``torch.einsum`` (indices merged where there are more than its 52 letters)."""
         if step.data_side and not self.channels_last:
             mixed = self.matmul(step, left, right, base, what)
             if mixed is not None:
