@@ -5,6 +5,7 @@ TensorLy-Torch). Times are printed there, never asserted."""
 from __future__ import annotations
 
 import importlib.util
+import os
 import platform
 import subprocess
 import sys
@@ -106,3 +107,19 @@ def test_stale_choice_benchmark_runs_both_phases():
     rows = [line for line in out.stdout.splitlines() if line.startswith(("cp ", "tt-linear"))]
     ratios = [float(row.split("|")[-1].split()[1]) for row in rows]  # model ms, ratio
     assert len(rows) == 2 and all(r > 0 for r in ratios)
+
+
+def test_mixing_benchmark_finds_the_input_copy_only_in_the_einsum_form():
+    """benchmarks/mixing.py --rounds 1: every format's layer built both ways computes the same;
+    where a mixing step meets the input (CP, Tucker, Tucker-2, TT, HTK2, TR), the einsum form
+    keeps 12 MB more for backward (the input's channels-last copy), the bmm form none. It runs
+    in its own process: it turns lowering's batched matmul off for one build at a time."""
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "mixing.py"), "--rounds",
+                          "1"], capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "TNSPEC_CALIBRATE": "0"})
+    assert out.returncode == 0, out.stderr
+    rows = {line.split()[0]: [float(v) for v in line.split()[1:]]
+            for line in out.stdout.splitlines()[4:]}
+    assert set(rows) == {"cp", "tucker", "tucker2", "tt", "tt-modes", "tr", "htk2"}
+    for fmt, (_, _, _, einsum_mb, bmm_mb) in rows.items():
+        assert einsum_mb - bmm_mb == pytest.approx(0 if fmt == "tt-modes" else 12, abs=0.2), fmt
