@@ -168,7 +168,7 @@ def _zoo_model(tmp_path, monkeypatch, kind: str, names: tuple[str, ...] = ()
 def test_default_torch_compile_of_every_lowering_pattern_across_sizes(tmp_path, monkeypatch,
                                                                       kind):
     """Default torch.compile (Inductor; dynamic shapes from the second size on) of inline and
-    generated layers matches eager, forward and backward, at 3 spatial and batch sizes. At
+    generated layers matches eager, forward and backward, at 2 spatial and batch sizes. At
     these sizes the cost model mixes channels by a matrix product; "1x1" forces 1x1 convs, 1-D
     over the flattened axes for a contiguous input, 2-D for a channels-last one (on the two
     layers with a mixing step before and after a conv, grouped or not: compiling takes time).
@@ -189,7 +189,9 @@ def test_default_torch_compile_of_every_lowering_pattern_across_sizes(tmp_path, 
     # Inductor's on-disk graph cache can hand one size's kernels to another shape
     # (seen with torch 2.13 even for a plain nn.Conv2d); compile afresh here
     with torch._inductor.config.patch(force_disable_caches=True):
-        for shape in ((2, 8, 16, 16), (3, 8, 12, 12), (5, 8, 9, 7)):
+        # a second size is compiled with dynamic shapes; a third one compiled again (the
+        # backward's stride guards pin the spatial sizes), so it added time, not coverage
+        for shape in ((2, 8, 16, 16), (5, 8, 9, 7)):
             x = torch.randn(shape)
             if last:
                 x = x.contiguous(memory_format=torch.channels_last)
