@@ -5,6 +5,8 @@ stems adapted to small images as is usual), each dense and tensorized with ``tns
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -86,17 +88,20 @@ def _pointwise(name: str, module: nn.Module) -> bool:
         module.groups == 1 and module.in_channels >= 64 and module.out_channels >= 64
 
 
-def pair(name: str, share: float = 0.25) -> tuple[nn.Module, nn.Module, str]:
+def pair(name: str, share: float = 0.25, **options: Any) -> tuple[nn.Module, nn.Module, str]:
     """(dense, tensorized, what was tensorized) for ``name`` ("resnet18" or "mobilenet_v2"):
     each selected layer at ``share`` of its parameters, Tucker-2 for ResNet-18's 3x3 convs and
-    low-rank for MobileNetV2's 1x1 convs (the same init seed)."""
+    low-rank for MobileNetV2's 1x1 convs (the same init seed). ``options`` go to
+    ``tnspec.tensorize`` (``memory_format="auto", example=...``: its layout line is in
+    "what")."""
     build, fmt, select = {"resnet18": (resnet18, "tucker2", _spatial),
                           "mobilenet_v2": (mobilenet_v2, "low_rank", _pointwise)}[name]
     torch.manual_seed(0)
     dense = build()
     torch.manual_seed(0)
-    tensorized, _ = tnspec.tensorize(build(), fmt, rank=share, include=select)
+    tensorized, report = tnspec.tensorize(build(), fmt, rank=share, include=select, **options)
     before = sum(p.numel() for p in dense.parameters())
     after = sum(p.numel() for p in tensorized.parameters())
     return dense, tensorized, (f"{fmt} at {share:.0%} of the params of each selected layer: "
-                               f"{before:,} -> {after:,} params")
+                               f"{before:,} -> {after:,} params" +
+                               ("" if report.layout is None else f"\n{report.layout}"))

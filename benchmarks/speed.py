@@ -336,6 +336,14 @@ def main(argv: list[str] | None = None) -> int:
         run(f"{name}-like b={batches[0]} channels_last", [], dense,
             image.contiguous(memory_format=torch.channels_last), steps, args.smoke,
             extra=((name, "tnspec", tensorized),))
+        # the layout tensorize chooses by timing (memory_format="auto"), against the dense net
+        # as built, on the input as built (not in the smoke run: its timing takes ~20 s)
+        title = f"{name}-like b={batches[0]} tensorize auto"
+        if not args.smoke and (not args.only or args.only in title):
+            dense, tensorized, what = models.pair(name, memory_format="auto",
+                                                  example=tuple(image.shape))
+            print(f"\n{name}: {what}")
+            run(title, [], dense, image, steps, args.smoke, extra=((name, "tnspec", tensorized),))
     print("\n" + table(rows) + "\n\n" + goals(rows))
     if args.write and not (args.smoke or args.quick):
         tag = "" if device.type == "cpu" and not autocast else \

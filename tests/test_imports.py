@@ -69,6 +69,8 @@ def test_stages_import_only_what_lies_above_them():
     assert graph["moments"] <= {"errors"}
     assert graph["observe"] <= {"errors", "moments"}
     assert graph["embedding"] <= {"api", "errors", "formats", "settings"}
+    # the model's memory format: measured as the layers' own orders are, no pipeline stage
+    assert graph["layout"] <= {"autotune", "calibration", "errors"}
     assert graph["compress"] <= {"convert", "dense", "errors", "module", "observe", "progress"}
     assert "__init__" not in set().union(*(d for m, d in graph.items() if m != "__main__"))
 

@@ -14,12 +14,13 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 from torch import nn
 
-from . import decompose, formats
+from . import decompose, formats, layout
 from .activations import following_activations
 from .api import _with_options, compile
 from .dense import set_submodule
-from .embedding import EmbeddingBag, embedding
+from .embedding import replacing
 from .errors import SpecError
+from .layout import LayoutChoice
 from .module import Layer
 from .progress import Progress
 
@@ -67,12 +68,15 @@ class Report:
     params_after: int
     skipped_kinds: tuple[str, ...] = ()  # the module type of each skipped layer
     other: tuple[tuple[str, int], ...] = ()  # kinds with parameters tensorize never replaces
+    layout: LayoutChoice | None = None  # memory_format=: what the model was left in, and why
 
     def __str__(self) -> str:
         lines = [f"tensorize: {len(self.replaced)} layer(s) to {self.format}, "
                  f"{len(self.skipped)} skipped; model parameters {self.params_before:,} -> "
                  f"{self.params_after:,} ({self.params_before / max(self.params_after, 1):.1f}x "
                  "fewer)"]
+        if self.layout is not None:
+            lines.append(f"  {self.layout}")
         for r in self.replaced:
             lines.append(f"  {r.name}: {r.before}")
             how = (f"init for {r.activation} ({r.activation_from})" if r.fit_error is None
@@ -97,6 +101,8 @@ def tensorize(model: nn.Module, format: str = "tucker2", *, rank: int | float = 
               include: Selector = None, exclude: Selector = None, init: str = "graph-in",
               activation: str | float | None = None, weights: str = "init",
               error: float | None = None, fit: Mapping[str, Any] | None = None,
+              memory_format: str | torch.memory_format | None = None,
+              example: torch.Tensor | Sequence[int] | None = None,
               **options: Any) -> tuple[nn.Module, Report]:
     """Replace, in place, every ``nn.Conv1d/2d/3d`` and ``nn.Linear`` of ``model`` selected by
     ``include``/``exclude`` (glob patterns on qualified names such as ``"features.*"``, or a
@@ -118,6 +124,12 @@ def tensorize(model: nn.Module, format: str = "tucker2", *, rank: int | float = 
     whose goal is reached only with as many parameters as the dense one, or not at all, stays
     dense, and the report says so.
 
+    ``memory_format`` lays out the whole model when it is done: ``torch.channels_last`` (or
+    ``channels_last_3d``, ``contiguous_format``) converts every 4-D (5-D) parameter and buffer;
+    ``"auto"`` times a training step on ``example`` (an input batch or its shape) as the model
+    is and channels-last end to end, and converts only where channels-last is clearly faster
+    (:mod:`tnspec.layout`). The report says which, with the timings.
+
     >>> net = nn.Sequential(nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.Flatten(),
     ...                     nn.Linear(32 * 8 * 8, 10))
     >>> net, report = tensorize(net, "cp", rank=8, include="0")
@@ -135,6 +147,7 @@ def tensorize(model: nn.Module, format: str = "tucker2", *, rank: int | float = 
     if error is not None and (weights != "fit" or not 0 < error < 1):
         raise SpecError(f"error={error!r} needs weights='fit' and a relative error in (0, 1)")
     fit_options = _fit_options(fit, weights)
+    layout_asked = layout.resolve(memory_format, example)
     unknown = sorted(set(options) - set(_FORMAT_OPTIONS))
     if unknown:
         where = "fit options go in fit={...}" if unknown[0] in _FIT_OPTIONS else \
@@ -153,7 +166,7 @@ def tensorize(model: nn.Module, format: str = "tucker2", *, rank: int | float = 
             try:
                 if name in left_alone:
                     raise SpecError(left_alone[name])
-                new, fit_error = _embedding(module, format, rank, weights, error, fit_options)
+                new, fit_error = replacing(module, format, rank, weights, error, fit_options)
             except SpecError as exc:
                 skipped.append((name, exc.message))
                 kinds.append(type(module).__name__)
@@ -205,33 +218,14 @@ def tensorize(model: nn.Module, format: str = "tucker2", *, rank: int | float = 
                       + ("" if fit_error is None else f", fit error {fit_error:.4f}")
                       + f" ({time.monotonic() - progress.start:.0f} s so far)")
     after = sum(p.numel() for p in model.parameters())
+    chosen = None
+    if layout_asked == "auto":
+        chosen = layout.choose(model, example)
+    elif layout_asked is not None:
+        chosen = layout.LayoutChoice(layout_asked, layout_asked,
+                                     layout.convert(model, layout_asked))
     return model, Report(format, tuple(replaced), tuple(skipped), before, after, tuple(kinds),
-                         tuple(sorted(other.items())))
-
-
-def _embedding(module: nn.Embedding | nn.EmbeddingBag, format: str, rank: int | float,
-               weights: str, error: float | None, fit: Mapping[str, Any]
-               ) -> tuple[nn.Module, float | None]:
-    """The tensorized embedding (or bag) for ``module``, fitted to its table if asked."""
-    if error is not None:
-        raise SpecError("error= chooses ranks for conv and linear layers; an embedding takes "
-                        "rank=")
-    for attr, plain in (("max_norm", None), ("scale_grad_by_freq", False), ("sparse", False),
-                        ("include_last_offset", False)):
-        if getattr(module, attr, plain) != plain:
-            raise SpecError(f"{attr}={getattr(module, attr)!r} has no tensorized counterpart")
-    if type(module).forward not in (nn.Embedding.forward, nn.EmbeddingBag.forward):
-        raise SpecError(f"{type(module).__name__} overrides forward: a layer of its weight "
-                        "would not compute what it does")
-    weight = module.weight
-    rows = embedding(format, module.num_embeddings, module.embedding_dim, rank=rank,
-                     padding_idx=module.padding_idx, dtype=weight.dtype, device=weight.device)
-    fit_error = rows.fit_(weight.detach(), **fit) if weights == "fit" else None
-    new = EmbeddingBag(rows, module.mode) if isinstance(module, nn.EmbeddingBag) else rows
-    new.train(module.training)
-    for p in new.parameters():
-        p.requires_grad_(weight.requires_grad)
-    return new, fit_error
+                         tuple(sorted(other.items())), chosen)
 
 
 def _tied(model: nn.Module) -> dict[str, str]:

@@ -10,7 +10,7 @@ embedding dimension, each split into modes; :func:`embedding` builds the layer (
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -254,3 +254,29 @@ def embedding_bag(fmt: str, num_embeddings: int, embedding_dim: int, *, mode: st
     """A tensorized ``nn.EmbeddingBag``: :class:`EmbeddingBag` over
     ``embedding(fmt, num_embeddings, embedding_dim, **kwargs)``."""
     return EmbeddingBag(embedding(fmt, num_embeddings, embedding_dim, **kwargs), mode)
+
+
+def replacing(module: nn.Embedding | nn.EmbeddingBag, format: str, rank: int | float,
+              weights: str, error: float | None, fit: Mapping[str, Any]
+              ) -> tuple[nn.Module, float | None]:
+    """The tensorized embedding (or bag) standing in for ``module`` in ``tensorize`` (SpecError
+    where none can), fitted to its table if asked; with the fit's relative error."""
+    if error is not None:
+        raise SpecError("error= chooses ranks for conv and linear layers; an embedding takes "
+                        "rank=")
+    for attr, plain in (("max_norm", None), ("scale_grad_by_freq", False), ("sparse", False),
+                        ("include_last_offset", False)):
+        if getattr(module, attr, plain) != plain:
+            raise SpecError(f"{attr}={getattr(module, attr)!r} has no tensorized counterpart")
+    if type(module).forward not in (nn.Embedding.forward, nn.EmbeddingBag.forward):
+        raise SpecError(f"{type(module).__name__} overrides forward: a layer of its weight "
+                        "would not compute what it does")
+    weight = module.weight
+    rows = embedding(format, module.num_embeddings, module.embedding_dim, rank=rank,
+                     padding_idx=module.padding_idx, dtype=weight.dtype, device=weight.device)
+    fit_error = rows.fit_(weight.detach(), **fit) if weights == "fit" else None
+    new = EmbeddingBag(rows, module.mode) if isinstance(module, nn.EmbeddingBag) else rows
+    new.train(module.training)
+    for p in new.parameters():
+        p.requires_grad_(weight.requires_grad)
+    return new, fit_error
