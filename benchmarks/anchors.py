@@ -16,6 +16,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+
 def _affine(t: str, k: str, stride: int) -> str:
     return f"{stride}*{t}+{k}-1" if stride > 1 else f"{t}+{k}-1"
 

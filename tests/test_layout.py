@@ -78,6 +78,7 @@ def test_auto_takes_a_true_lead_and_says_so(fake_clock):
                                    example=(2, 3, 8, 8))
     assert laid_out(net)
     assert report.layout.format == "channels_last"
+    assert report.layout.converted == sum(p.dim() == 4 for p in net.parameters())
     assert "memory format: channels_last end to end, measured faster: channels_last took " \
         "0.50x the time of contiguous_format (500.0 against 1000.0 ms" in str(report)
 

@@ -129,10 +129,8 @@ def choose(model: nn.Module, example: torch.Tensor | Sequence[int],
             if lead:  # one lucky stretch of rounds is not a lead: it must hold again
                 again = _time(model, x, layouts, repeats)
                 lead = again[1].leads(again[0])
-    except BaseException:
-        convert(model, kept)  # as it was
-        raise
     finally:
+        convert(model, kept)  # as it was
         model.load_state_dict(saved, strict=False)
     busy = lead and calibration.busy(x.device.type)
     chosen = other if lead and not busy else kept
