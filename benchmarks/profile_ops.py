@@ -3,6 +3,7 @@ of the same format, forward+backward, as the speed table runs them (batch 32, 96
 channels, 32x32, 3x3, rank 10, 2 threads), and for the same tnspec layers compiled.
 
     python benchmarks/profile_ops.py [--formats cp tucker tt] [--steps 20] [--write]
+    python benchmarks/profile_ops.py --networks resnet18 mobilenet_v2 [--write]
 
 For each format, one table: the aten operators by self CPU time per fwd+bwd step, tnspec
 beside the library, so that "same operators, same time" or "this operator costs more" can be
@@ -10,7 +11,9 @@ read off rather than argued. The columns are profiled in interleaved rounds; abs
 move with the machine (up to 2x on these), ratios within a table much less. The compiled
 columns run ``torch.compile`` of the same modules, the tnspec layer after one eager call (the
 class that call chose is the one traced). ``--write`` replaces the profile block of
-RESULTS.md.
+RESULTS.md. ``--networks`` profiles whole networks of ``models.py`` instead (a training step
+at batch 32, 32x32, the dense network beside the tensorized one, as built), for the network
+profile block.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from anchors import conv_formats, missing  # noqa: E402
 from harness import fwd_bwd, machine, steady_malloc  # noqa: E402
+import models  # noqa: E402
 
 import tnspec  # noqa: E402
 
@@ -79,6 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=25)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--no-compile", action="store_true", help="eager tables only")
+    parser.add_argument("--networks", nargs="+", choices=["resnet18", "mobilenet_v2"],
+                        help="profile these whole networks instead of single layers")
     parser.add_argument("--write", action="store_true")
     parser.add_argument("--system-malloc", action="store_true",
                         help="leave glibc's malloc at its defaults (see harness.steady_malloc)")
@@ -91,7 +97,16 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     x = torch.randn(32, 96, 32, 32).requires_grad_(True)
     blocks = [machine(), allocator]
-    for name in args.formats:
+    marks = "profile tables"
+    for name in args.networks or ():
+        dense, tensorized, what = models.pair(name)
+        image = torch.randn(32, 3, 32, 32).requires_grad_(True)
+        text = table(f"{name}-like ({what}), batch 32",
+                     ops({"dense": dense, "tnspec": tensorized}, image, args.steps), top=12)
+        print("\n" + text, flush=True)
+        blocks.append(text)
+        marks = "network profile tables"
+    for name in () if args.networks else args.formats:
         fmt = formats[name]
         layer = tnspec.layer(fmt.spec, **fmt.sizes)
         modules: dict[str, nn.Module] = {"tnspec": layer}
@@ -110,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.write:
         path = HERE / "RESULTS.md"
         body = path.read_text()
-        start, end = "<!-- profile tables -->", "<!-- end profile tables -->"
+        start, end = f"<!-- {marks} -->", f"<!-- end {marks} -->"
         block = start + "\n" + "\n\n".join(blocks) + "\n" + end
         body = body[:body.index(start)] + block + body[body.index(end) + len(end):] \
             if start in body else body + "\n" + block + "\n"
