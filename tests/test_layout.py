@@ -107,13 +107,18 @@ def test_auto_does_not_trust_a_lead_measured_on_a_busy_machine(fake_clock, monke
 def test_auto_restores_batch_norm_statistics_and_the_random_state(fake_clock):
     net = small_net()
     fake_clock["model"] = net
+    fake_clock["times"] = {"channels_last": 1.0, "contiguous_format": 1.0}  # no lead
     net.train()
+    mixed = net[3].weight
+    mixed.data = mixed.data.contiguous(memory_format=torch.channels_last)  # one layer only
     stats = net[1].running_mean.clone(), net[1].num_batches_tracked.clone()
     rng = torch.get_rng_state()
     layout.choose(net, (2, 3, 8, 8))
     assert torch.equal(net[1].running_mean, stats[0])
     assert torch.equal(net[1].num_batches_tracked, stats[1])
     assert torch.equal(torch.get_rng_state(), rng)
+    # kept: every tensor in the layout it had, the mixed one too
+    assert net[0].weight.is_contiguous() and not mixed.is_contiguous()
 
 
 @pytest.mark.parametrize("kwargs, match", [

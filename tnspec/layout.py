@@ -122,6 +122,7 @@ def choose(model: nn.Module, example: torch.Tensor | Sequence[int],
     layouts = (kept, other)
     saved = {k: b.clone() for k, b in model.state_dict(keep_vars=True).items()
              if not isinstance(b, nn.Parameter)}
+    tensors = [(t, t.data) for t in [*model.parameters(), *model.buffers()]]
     try:
         with torch.random.fork_rng(devices=[x.device] if x.is_cuda else []):
             first = _time(model, x, layouts, repeats)
@@ -130,11 +131,12 @@ def choose(model: nn.Module, example: torch.Tensor | Sequence[int],
                 again = _time(model, x, layouts, repeats)
                 lead = again[1].leads(again[0])
     finally:
-        convert(model, kept)  # as it was
+        for t, data in tensors:  # as it was, layout and values
+            t.data = data
         model.load_state_dict(saved, strict=False)
     busy = lead and calibration.busy(x.device.type)
     chosen = other if lead and not busy else kept
-    changed = convert(model, chosen)
+    changed = convert(model, chosen) if chosen != kept else 0  # kept: left as it is
     note = "other threads took the CPUs while it was timed: the lead is not trusted" \
         if busy else ""
     return LayoutChoice(chosen, "auto", changed, ((kept, first[0]), (other, first[1])), note)
