@@ -10,11 +10,9 @@ the class its last eager call ran.
 
 from __future__ import annotations
 
-import itertools
 import math
 import logging
 import time
-import weakref
 from collections import OrderedDict
 from typing import Any, Callable, Sequence
 
@@ -92,9 +90,7 @@ class Layer(nn.Module):
     def _drop_code(self) -> None:
         """Forget the loaded code (it is planned again on the next call); name the layer for
         tracing anew (a copy is another layer)."""
-        name = f"layer{next(_names)}"
-        _TRACED[name] = self
-        self.__dict__["_trace_name"] = name
+        self.__dict__["_trace_name"] = runtime.traced_as(self)
         self.__dict__.pop("_traced_class", None)
         self._classes: OrderedDict[tuple, type] = OrderedDict()
         self._plans: dict[tuple, tuple[tuple[int, ...], Plan]] = {}  # each class's shape, plan
@@ -358,8 +354,8 @@ class Layer(nn.Module):
             if _is_compiling():
                 # planning is plain Python that dynamo should not trace: it runs once, at
                 # trace time, as a constant, and leaves the class on the layer (see
-                # _compilable_key)
-                _compilable_key(self._trace_name)
+                # runtime.compilable_key)
+                runtime.compilable_key(self._trace_name)
                 cls = self._traced_class
             elif x.shape == self._last_shape and x.stride() == self._last_stride and \
                     _autocast("cuda" if x.is_cuda else "cpu") == self._last_autocast:
@@ -405,29 +401,3 @@ def _autocast(device_type: str) -> torch.dtype | None:
 
 #: the device types autocast can be asked about (``meta`` makes torch raise)
 _AUTOCAST_DEVICES = frozenset({"cpu", "cuda", "xpu", "mps", "hpu", "xla", "mtia", "ipu"})
-
-
-#: every layer by the name it is traced under: dynamo takes a constant function's arguments
-#: as constants, which a module is not in every torch release (2.11 refuses it)
-_TRACED: weakref.WeakValueDictionary[str, Layer] = weakref.WeakValueDictionary()
-_names = itertools.count()
-
-
-def _compilable_key(name: str) -> str:
-    """Plan and load the ``_compilable_class()`` of the layer traced as ``name``, leave it on
-    the layer as ``_traced_class`` and return the name of its generated source. Dynamo calls
-    this once per trace and takes the result as a constant, so that tracing (and ``fullgraph``
-    compiling before any eager call) needs no planning in the traced code. The class is an
-    attribute of the layer, not an entry of a module-level dict: dynamo keeps what it first
-    read of a global dict for the whole trace, so the lookup raised KeyError, which broke the
-    graph at every layer and compiled each as a frame of its own (layers share that frame's
-    code, so past torch's recompile limit of 8 they ran eagerly)."""
-    layer = _TRACED[name]
-    cls = layer._compilable_class()
-    layer.__dict__["_traced_class"] = cls
-    return cls.forward.__code__.co_filename
-
-
-# what torch._dynamo.assume_constant_result sets; written here so that ``import tnspec`` does
-# not import dynamo (tests/test_integration.py checks that the decorator still sets only this)
-_compilable_key._dynamo_marked_constant = True  # type: ignore[attr-defined]

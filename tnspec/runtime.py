@@ -1,4 +1,5 @@
-"""Stage 7, runtime: load generated source as live code (the one executor).
+"""Stage 7, runtime: load generated source as live code (the one executor), and find a layer's
+class when ``torch.compile`` traces it.
 
 As ``torch.fx.GraphModule`` does, an inline layer does not interpret its plan: it executes
 the source that ``codegen`` prints for it, the text ``tnspec compile`` would write. Each
@@ -10,7 +11,9 @@ from __future__ import annotations
 
 import dis
 import hashlib
+import itertools
 import linecache
+import weakref
 from collections import OrderedDict
 from typing import Any, Callable
 
@@ -88,3 +91,36 @@ def fingerprint(*classes: type, rename: Callable[[str], str] = str) -> str:
 def source_of(fn: Any) -> str:
     """The generated source a loaded function belongs to (for debugging and tests)."""
     return "".join(linecache.getlines(fn.__code__.co_filename))
+
+
+#: every layer by the name it is traced under: dynamo takes a constant function's arguments
+#: as constants, which a module is not in every torch release (2.11 refuses it)
+TRACED: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()
+_names = itertools.count()
+
+
+def traced_as(layer: Any) -> str:
+    """A new name for ``layer`` in :data:`TRACED` (a copy of a layer is another layer)."""
+    name = f"layer{next(_names)}"
+    TRACED[name] = layer
+    return name
+
+
+def compilable_key(name: str) -> str:
+    """Plan and load the ``_compilable_class()`` of the layer traced as ``name``, leave it on
+    the layer as ``_traced_class`` and return the name of its generated source. Dynamo calls
+    this once per trace and takes the result as a constant, so that tracing (and ``fullgraph``
+    compiling before any eager call) needs no planning in the traced code. The class is an
+    attribute of the layer, not an entry of a module-level dict: dynamo keeps what it first
+    read of a global dict for the whole trace, so the lookup raised KeyError, which broke the
+    graph at every layer and compiled each as a frame of its own (layers share that frame's
+    code, so past torch's recompile limit of 8 they ran eagerly)."""
+    layer = TRACED[name]
+    cls = layer._compilable_class()
+    layer.__dict__["_traced_class"] = cls
+    return cls.forward.__code__.co_filename
+
+
+# what torch._dynamo.assume_constant_result sets; written here so that ``import tnspec`` does
+# not import dynamo (tests/test_integration.py checks that the decorator still sets only this)
+compilable_key._dynamo_marked_constant = True  # type: ignore[attr-defined]
