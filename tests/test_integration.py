@@ -159,7 +159,8 @@ def _zoo_model(tmp_path, monkeypatch, kind: str, names: tuple[str, ...] = ()
         module = importlib.util.module_from_spec(spec)
         monkeypatch.setitem(sys.modules, "zoo_layers", module)  # dynamo imports it again
         spec.loader.exec_module(module)
-        layers = [getattr(module, name)() for name in ("Cp", "Tucker2", "Htk2", "Tr", "Odd")]
+        layers = [getattr(module, name.capitalize())()
+                  for name in names or ("cp", "tucker2", "htk2", "tr", "odd")]
     return torch.nn.Sequential(*[m for layer in layers for m in (layer, torch.nn.ReLU())])
 
 
@@ -172,9 +173,10 @@ def test_default_torch_compile_of_every_lowering_pattern_across_sizes(tmp_path, 
     these sizes the cost model mixes channels by a matrix product; "1x1" forces 1x1 convs, 1-D
     over the flattened axes for a contiguous input, 2-D for a channels-last one (on the two
     layers with a mixing step before and after a conv, grouped or not: compiling takes time).
-    The generated kind compiles all five layers; the inline kind, which runs the same code
-    (tests/test_one_executor.py) behind trace-time planning, two of them (a plain and a
-    grouped-mode input), every layer's tracing being checked cheaply by the one-graph test."""
+    The inline kind, which runs the generated code (tests/test_one_executor.py) behind
+    trace-time planning, compiles two layers (a plain and a grouped-mode input), the generated
+    kind the other three, so that each of the five is compiled once in its default lowering;
+    every layer's tracing is checked cheaply by the one-graph test."""
     torch._dynamo.reset()
     last = kind.endswith("channels_last")
     if "1x1" in kind:
@@ -182,7 +184,7 @@ def test_default_torch_compile_of_every_lowering_pattern_across_sizes(tmp_path, 
                             lambda *a, **k: lambda step: "conv1x1")
     model = _zoo_model(tmp_path, monkeypatch, kind.split()[0],
                        ("tucker2", "htk2") if "1x1" in kind else
-                       ("cp", "tr") if kind == "inline" else ())
+                       ("cp", "tr") if kind == "inline" else ("tucker2", "htk2", "odd"))
     if kind == "generated":  # the patterns above are all there (built-in cost model)
         assert "torch.bmm(U_e, x_r)" in generate(ZOO)
     compiled = torch.compile(model)
@@ -236,7 +238,7 @@ def test_the_compile_plan_is_a_dynamo_constant_and_not_made_at_construction():
     torch._dynamo.assume_constant_result(probe)
     marks = set(vars(probe)) - before
     assert marks == {"_dynamo_marked_constant"}
-    assert all(getattr(tnspec.module._compilable_key, m) for m in marks)
+    assert all(getattr(tnspec.runtime.compilable_key, m) for m in marks)
     assert tnspec.layer(TEXT, c=8)._classes == {}  # building planned nothing
 
 
@@ -247,7 +249,7 @@ def test_each_layer_and_each_copy_is_traced_under_a_name_of_its_own():
     copies = [copy.deepcopy(a), copy.copy(a), pickle.loads(pickle.dumps(a))]
     names = [m._trace_name for m in (a, *copies)]
     assert len(set(names)) == 4
-    assert all(tnspec.module._TRACED[n] is m for n, m in zip(names, (a, *copies)))
+    assert all(tnspec.runtime.TRACED[n] is m for n, m in zip(names, (a, *copies)))
 
 
 def test_torch_export_inline_and_generated(tmp_path):
