@@ -71,11 +71,13 @@ def test_convert_leaves_tensors_of_other_ranks_alone():
     assert layout.convert(model, "contiguous_format") == 1 and kernel.is_contiguous()
 
 
-def test_auto_takes_a_true_lead_and_says_so(fake_clock):
+def test_auto_takes_a_true_lead_and_says_so(fake_clock, caplog):
     net = small_net()
     fake_clock["model"] = net
-    net, report = tnspec.tensorize(net, "cp", rank=4, include="3", memory_format="auto",
-                                   example=(2, 3, 8, 8))
+    with caplog.at_level("INFO", logger="tnspec"):
+        net, report = tnspec.tensorize(net, "cp", rank=4, include="3", memory_format="auto",
+                                       example=(2, 3, 8, 8))
+    assert str(report.layout) in caplog.text  # also where a program logs, not prints
     assert laid_out(net)
     assert report.layout.format == "channels_last"
     assert report.layout.converted == sum(p.dim() == 4 for p in net.parameters())

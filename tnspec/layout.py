@@ -14,6 +14,7 @@ norm statistics) and the global random state.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from typing import Sequence
@@ -27,6 +28,8 @@ from .errors import SpecError
 
 #: what timing reads (tests put a fake one here)
 clock = time.perf_counter
+
+logger = logging.getLogger("tnspec")
 
 
 @dataclass(frozen=True)
@@ -139,7 +142,9 @@ def choose(model: nn.Module, example: torch.Tensor | Sequence[int],
     changed = convert(model, chosen) if chosen != kept else 0  # kept: left as it is
     note = "other threads took the CPUs while it was timed: the lead is not trusted" \
         if busy else ""
-    return LayoutChoice(chosen, "auto", changed, ((kept, first[0]), (other, first[1])), note)
+    choice = LayoutChoice(chosen, "auto", changed, ((kept, first[0]), (other, first[1])), note)
+    logger.info("%s", choice)
+    return choice
 
 
 def _laid_out(model: nn.Module, name: str) -> bool:
