@@ -35,7 +35,8 @@ logger = logging.getLogger("tnspec")
 @dataclass(frozen=True)
 class LayoutChoice:
     """The memory format ``tensorize`` left the model in, and why: ``asked`` (``"auto"`` or the
-    format given), ``timings`` ({layout: Timing} of a training step where measured) and
+    format given), ``converted`` (how many tensors changed layout), ``timings`` (with "auto":
+    the model's layout and the other, each with the :class:`Timing` of a training step) and
     ``note`` (why a measured lead was not taken, or "")."""
 
     format: str
@@ -78,6 +79,8 @@ def resolve(memory_format: str | torch.memory_format | None,
                             hint="pass example= (an input batch, or its shape)")
         if not isinstance(example, torch.Tensor):
             try:
+                if isinstance(example, (str, bytes)):  # iterable, but not a shape
+                    raise TypeError
                 example = tuple(int(n) for n in example)
             except (TypeError, ValueError):
                 raise SpecError(f"example={example!r}", hint="an input batch or its shape, "
