@@ -144,6 +144,12 @@ class Timing:
     median: float
     spread: float
 
+    @classmethod
+    def of(cls, seconds: list[float]) -> Timing:
+        """The median and spread of repeated timings."""
+        t = sorted(seconds)
+        return cls(t[len(t) // 2], t[(3 * len(t)) // 4] - t[len(t) // 4])
+
     def leads(self, other: Timing) -> bool:
         """Whether this is clearly faster than ``other``: by ``calibration.MARGIN``, and by
         more than either's spread (a lead inside the spread is noise)."""
@@ -203,5 +209,4 @@ def time_orders(layer: Any, classes: list[type], shape: tuple[int, ...], repeats
                     torch.cuda.synchronize()
                 if n:
                     spent.append(clock() - start)
-    ordered = [sorted(t) for t in times]
-    return [Timing(t[len(t) // 2], t[(3 * len(t)) // 4] - t[len(t) // 4]) for t in ordered]
+    return [Timing.of(t) for t in times]

@@ -199,5 +199,4 @@ def _time(model: nn.Module, x: torch.Tensor, layouts: tuple[str, str],
                 torch.cuda.synchronize()
             if n:
                 spent.append(clock() - start)
-    ordered = [sorted(t) for t in times]
-    return [Timing(t[len(t) // 2], t[(3 * len(t)) // 4] - t[len(t) // 4]) for t in ordered]
+    return [Timing.of(t) for t in times]
