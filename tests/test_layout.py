@@ -47,17 +47,16 @@ def fake_clock(monkeypatch):
 
 
 def test_channels_last_when_asked_converts_every_4d_tensor_and_computes_the_same():
-    net = small_net()
+    net = small_net().eval()
     x = torch.randn(2, 3, 8, 8)
-    net.eval()
-    before = net(x)
     net, report = tnspec.tensorize(net, "cp", rank=4, include="3",
                                    memory_format=torch.channels_last)
     assert laid_out(net) and isinstance(net[3], tnspec.Layer)
     assert "memory format: channels_last (asked)" in str(report)
     out = net(x.contiguous(memory_format=torch.channels_last))
-    net[3].load_state_dict(net[3].state_dict())  # still a working layer
-    assert out.shape == before.shape
+    assert layout.convert(net, "contiguous_format") == report.layout.converted
+    assert not laid_out(net)
+    torch.testing.assert_close(out, net(x))
 
 
 def test_convert_leaves_tensors_of_other_ranks_alone():
@@ -139,3 +138,18 @@ def test_bad_memory_format_arguments_are_clear_errors(kwargs, match):
         tnspec.tensorize(net, "cp", rank=4, include="3", **kwargs)
     if "failed" not in match:
         assert isinstance(net[3], nn.Conv2d)  # checked before any layer was replaced
+
+
+def test_auto_restores_a_buffer_the_state_dict_leaves_out(fake_clock):
+    class Counting(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("calls", torch.zeros(()), persistent=False)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.calls += 1
+            return x
+    net = nn.Sequential(Counting(), small_net())
+    fake_clock["model"] = net
+    layout.choose(net, (2, 3, 8, 8))
+    assert net[0].calls.item() == 0

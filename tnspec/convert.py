@@ -218,12 +218,7 @@ def tensorize(model: nn.Module, format: str = "tucker2", *, rank: int | float = 
                       + ("" if fit_error is None else f", fit error {fit_error:.4f}")
                       + f" ({time.monotonic() - progress.start:.0f} s so far)")
     after = sum(p.numel() for p in model.parameters())
-    chosen = None
-    if layout_asked == "auto":
-        chosen = layout.choose(model, example)
-    elif layout_asked is not None:
-        chosen = layout.LayoutChoice(layout_asked, layout_asked,
-                                     layout.convert(model, layout_asked))
+    chosen = layout.apply(model, layout_asked, example)
     return model, Report(format, tuple(replaced), tuple(skipped), before, after, tuple(kinds),
                          tuple(sorted(other.items())), chosen)
 

@@ -114,6 +114,18 @@ def convert(model: nn.Module, name: str) -> int:
     return changed
 
 
+def apply(model: nn.Module, asked: str | None,
+          example: torch.Tensor | Sequence[int] | None) -> LayoutChoice | None:
+    """Leave ``model`` in the layout ``asked`` (a name :func:`resolve` gave): measured for
+    ``"auto"``, converted for a format, untouched for None."""
+    if asked is None:
+        return None
+    if asked == "auto":
+        assert example is not None  # resolve saw to it
+        return choose(model, example)
+    return LayoutChoice(asked, asked, convert(model, asked))
+
+
 def choose(model: nn.Module, example: torch.Tensor | Sequence[int],
            repeats: int = 5) -> LayoutChoice:
     """Time a training step of ``model`` (forward, and backward to its trainable parameters) on
@@ -121,14 +133,14 @@ def choose(model: nn.Module, example: torch.Tensor | Sequence[int],
     the input converted with it, and leave the model in the faster one by the rule above."""
     resolve("auto", example)
     x = _example(model, example)
-    other = "channels_last" if x.dim() == 4 else "channels_last_3d"
-    kept = other if _laid_out(model, other) else "contiguous_format"
-    if kept == other:
-        other = "contiguous_format"
+    last = "channels_last" if x.dim() == 4 else "channels_last_3d"
+    kept, other = (last, "contiguous_format") if _laid_out(model, last) else \
+        ("contiguous_format", last)
     layouts = (kept, other)
-    saved = {k: b.clone() for k, b in model.state_dict(keep_vars=True).items()
-             if not isinstance(b, nn.Parameter)}
-    tensors = [(t, t.data) for t in [*model.parameters(), *model.buffers()]]
+    # restored afterwards: each parameter's own data (its layout), each buffer's values too
+    # (a training step updates batch-norm statistics in place)
+    tensors = [(p, p.data) for p in model.parameters()] + \
+        [(b, b.data.clone()) for b in model.buffers()]
     try:
         with torch.random.fork_rng(devices=[x.device] if x.is_cuda else []):
             first = _time(model, x, layouts, repeats)
@@ -137,9 +149,8 @@ def choose(model: nn.Module, example: torch.Tensor | Sequence[int],
                 again = _time(model, x, layouts, repeats)
                 lead = again[1].leads(again[0])
     finally:
-        for t, data in tensors:  # as it was, layout and values
+        for t, data in tensors:
             t.data = data
-        model.load_state_dict(saved, strict=False)
     busy = lead and calibration.busy(x.device.type)
     chosen = other if lead and not busy else kept
     changed = convert(model, chosen) if chosen != kept else 0  # kept: left as it is
