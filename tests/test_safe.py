@@ -165,3 +165,17 @@ def test_fuzz_hostile_network_fields(field, text):
     """Whatever string lands in whatever printed field: a clean SpecError, or (for a valid
     name) a working layer; never executed code, never a SyntaxError or a deep traceback."""
     _try_all(_hostile(BASE, field, text))
+
+
+@pytest.mark.parametrize("field, name, message", [
+    ("core", "__0", "names starting with '__' are reserved"),  # self.__0 would be mangled
+    ("core", "_W", "clashes with an attribute"),
+    ("core", "forward", "clashes with an attribute"),
+    ("rank", "__r", "names starting with '__' are reserved"),
+    ("input", "__x", "names starting with '__' are reserved"),
+])
+def test_a_hand_built_network_obeys_the_check_stages_name_rules(field, name, message):
+    """The fuzz test found a core named '__0' reaching codegen, where Python mangled
+    ``self.__0`` in the class body: a hand-built Network gets the parser's rules."""
+    with pytest.raises(tnspec.SpecError, match=message):
+        tnspec.Layer(_hostile(BASE, field, name))

@@ -41,6 +41,23 @@ DEFAULT_MAX_ELEMENTS = 2**31
 #: the most one tensor of the forward pass (padded input, intermediate, output) may take, in
 #: bytes at the batch the layer is called with
 DEFAULT_MAX_BYTES = 2**33
+#: attributes of torch.nn.Module (torch 2.x) and of tnspec modules; a core named like one of
+#: these could not be registered under its own name (tests keep this in step with torch)
+RESERVED_NAMES = frozenset("""
+    T_destination add_module apply bfloat16 buffers call_super_init children compile cpu cuda
+    double dump_patches eval extra_repr float forward get_buffer get_extra_state get_parameter
+    get_submodule half ipu load_state_dict modules mtia named_buffers named_children
+    named_modules named_parameters parameters register_backward_hook register_buffer
+    register_forward_hook register_forward_pre_hook register_full_backward_hook
+    register_full_backward_pre_hook register_load_state_dict_post_hook
+    register_load_state_dict_pre_hook register_module register_parameter
+    register_state_dict_post_hook register_state_dict_pre_hook requires_grad_ set_extra_state
+    set_submodule share_memory state_dict to to_empty train training type xpu zero_grad
+    bias spec sizes network plan program planner autotune max_elements reset_parameters self
+    source plan_cache_size autotune_seconds max_bytes in_channels out_channels kernel_size stride
+    padding dilation groups in_features out_features dense_weight fit_
+    torch
+""".split())
 #: torch has conv1d, conv2d and conv3d: one step resolves at most three relations
 MAX_CONV_DIMS = 3
 

@@ -17,7 +17,8 @@ import re
 from typing import Any
 
 from .errors import SpecError
-from .ir import ACTIVATIONS, DISTRIBUTIONS, INITS, STRIDE_COUNTS, Network, Tensor
+from .ir import (ACTIVATIONS, DISTRIBUTIONS, INITS, RESERVED_NAMES, STRIDE_COUNTS, Network,
+                 Tensor)
 from .program import (Bias, Call, CheckIndex, CheckShape, CompileCopy, Let, Param, Program,
                       Relayout, Require, Unflatten, Unpack, Var)
 from .shapes import Size
@@ -39,6 +40,9 @@ _HINT = ("names are [A-Za-z_][A-Za-z0-9_]* as the grammar has them; build the Ne
 def _name(value: Any, what: str, pattern: re.Pattern = NAME) -> None:
     if not (isinstance(value, str) and pattern.match(value)):
         raise SpecError(f"{what} {value!r} is not a name tnspec can print into code", hint=_HINT)
+    if value.startswith("__"):  # Python mangles self.__W inside the generated class
+        raise SpecError(f"{what} {value!r}: names starting with '__' are reserved",
+                        hint=f"rename it, e.g. {value.strip('_') or 'n'}")
 
 
 def _int(value: Any, what: str, allow_none: bool = False) -> None:
@@ -76,6 +80,10 @@ def network(net: Any) -> None:
             _int(getattr(c, field), f"conv {field}")
     for n, t in enumerate((net.input, *net.cores, net.output)):
         _tensor(t, "input" if n == 0 else "output" if t is net.output else "core", sides)
+    for t in net.cores:  # the check stage's rule: each core is an attribute of the module
+        if t.name in RESERVED_NAMES or t.name.startswith("_"):
+            raise SpecError(f"core name {t.name!r} clashes with an attribute of the generated "
+                            "module", hint=f"rename it, e.g. {t.name.strip('_')}_w")
     for ix in net.indices:
         _name(ix.name, "index", AFFINE if ix.name in sides else NAME)
         _int(ix.size, f"size of index {ix.name}", allow_none=True)
