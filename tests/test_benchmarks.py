@@ -74,6 +74,36 @@ def test_profile_tables_name_the_operators_of_both_columns(capsys):
     assert "| aten::convolution_backward |" in out and "**all operators**" in out
 
 
+def test_memory_profile_itemizes_what_each_implementation_saves(capsys):
+    pytest.importorskip("tltorch", reason="tensorly-torch is in the test extra")
+    profile_ops = load("profile_ops")
+    assert profile_ops.main(["--memory", "--formats", "tucker", "--batch", "1",
+                             "--system-malloc"]) == 0
+    out = capsys.readouterr().out
+    assert "| tnspec | ConvolutionBackward0.input | 1x10x32x32 | 0.04 |" in out
+    assert "| tnspec checkpointed | output | 1x96x32x32 | 0.39 |" in out
+    totals = [line for line in out.splitlines() if "ms fwd+bwd**" in line]
+    assert len(totals) == 4  # tnspec, checkpointed, and TensorLy-Torch's two
+
+
+def test_every_library_layer_the_benchmarks_time_is_initialized():
+    """TensorLy-Torch's FactorizedConv does not initialize its factors: timed as built, it
+    ran on whatever torch.empty held (NaNs, and up to 9x slower than initialized)."""
+    pytest.importorskip("tltorch", reason="tensorly-torch is in the test extra")
+    pytest.importorskip("tednet", reason="tednet is in the test extra")
+    anchors = load("anchors")
+    x = torch.randn(2, 12, 8, 8)
+    for stride in (1, 2):
+        for fmt in anchors.conv_formats(12, 12, 3, 3, stride, (3, 2, 2)):
+            for name, build in fmt.anchors.items():
+                for _ in range(3):
+                    layer = build()
+                    assert all(torch.isfinite(p).all() for p in layer.parameters()), name
+                    with torch.no_grad():
+                        y = layer(x)
+                    assert torch.isfinite(y).all() and y.abs().max() > 0, (fmt.name, name)
+
+
 def test_choosing_smoke_runs_every_format(capsys):
     choosing = load("choosing")
     assert choosing.main(["--smoke"]) == 0
