@@ -4,6 +4,7 @@ channels, 32x32, 3x3, rank 10, 2 threads), and for the same tnspec layers compil
 
     python benchmarks/profile_ops.py [--formats cp tucker tt] [--steps 20] [--write]
     python benchmarks/profile_ops.py --networks resnet18 mobilenet_v2 [--write]
+    python benchmarks/profile_ops.py --memory [--formats cp tucker] [--batch 128] [--write]
 
 For each format, one table: the aten operators by self CPU time per fwd+bwd step, tnspec
 beside the library, so that "same operators, same time" or "this operator costs more" can be
@@ -13,22 +14,27 @@ columns run ``torch.compile`` of the same modules, the tnspec layer after one ea
 class that call chose is the one traced). ``--write`` replaces the profile block of
 RESULTS.md. ``--networks`` profiles whole networks of ``models.py`` instead (a training step
 at batch 32, 32x32, the dense network beside the tensorized one, as built), for the network
-profile block.
+profile block. ``--memory`` lists instead what each implementation keeps for the backward
+pass: every tensor an autograd node saved (each storage once; the layer's input and
+parameters left out, as the speed table's "activation MB" leaves them out), with the node
+that saved it, and the output.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 from pathlib import Path
 
 import torch
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
+from torch.utils.checkpoint import checkpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from anchors import conv_formats, missing  # noqa: E402
-from harness import fwd_bwd, machine, steady_malloc  # noqa: E402
+from harness import fwd_bwd, interleaved, machine, steady_malloc  # noqa: E402
 import models  # noqa: E402
 
 import tnspec  # noqa: E402
@@ -61,6 +67,82 @@ def ops(modules: dict[str, nn.Module], x: torch.Tensor, steps: int,
     return out
 
 
+def saved(module: nn.Module, x: torch.Tensor) -> list[tuple[str, tuple[int, ...], float]]:
+    """(autograd node, shape, MB) of each tensor one forward saves for backward, each storage
+    once, the input's and the parameters' left out, then the output: what the speed table's
+    activation memory counts, itemized. The storages kept are those the pack hook sees (as
+    ``harness.activation_bytes`` counts them); the graph is walked only to name them, and not
+    at all when nothing was kept (a checkpointed module, whose saved tensors reading would
+    recompute)."""
+    skip = {p.untyped_storage().data_ptr() for p in module.parameters()}
+    skip.add(x.untyped_storage().data_ptr())
+    kept: dict[int, torch.Tensor] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.untyped_storage().data_ptr() not in skip:
+            kept.setdefault(t.untyped_storage().data_ptr(), t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = module(x)
+    names: dict[int, str] = {}
+    nodes, seen = [y.grad_fn] if kept else [], set()
+    while nodes:
+        node = nodes.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        for attr in dir(node):
+            t = getattr(node, attr) if attr.startswith("_saved_") else None
+            if isinstance(t, torch.Tensor):
+                names.setdefault(t.untyped_storage().data_ptr(),
+                                 f"{type(node).__name__}.{attr[7:]}")
+        nodes.extend(n for n, _ in node.next_functions)
+    out = [(names.get(ptr, "?"), tuple(t.shape), t.untyped_storage().nbytes() / 1e6)
+           for ptr, t in kept.items()]
+    out.append(("output", tuple(y.shape), y.untyped_storage().nbytes() / 1e6))
+    return out
+
+
+class Checkpointed(nn.Module):
+    """``module`` under ``torch.utils.checkpoint``: only its input is kept; backward runs its
+    forward again."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return checkpoint(self.module, x, use_reentrant=False)
+
+
+def memory_table(name: str, modules: dict[str, nn.Module], x: torch.Tensor,
+                 rounds: int = 11) -> str:
+    """The tensors each module saves for backward, itemized, with its fwd+bwd median time
+    (``rounds`` interleaved rounds, after warm-up) on the total's line: the memory next to what
+    it costs."""
+    runs = [fwd_bwd(m, x) for m in modules.values()]
+    for run in runs:
+        for _ in range(3):
+            run()
+    times = [statistics.median(t) * 1000 for t in interleaved(runs, rounds)]
+    lines = [f"{name}, input {tuple(x.shape)}: tensors saved for backward, MB (each storage "
+             "once; input and parameters left out), and the median fwd+bwd time",
+             "| implementation | saved by | shape | MB |", "|---|---|---|---:|"]
+    for (label, module), ms in zip(modules.items(), times):
+        rows = saved(module, x)
+        alike: dict[tuple[str, tuple[int, ...]], list[float]] = {}
+        for node, shape, mb in rows:
+            alike.setdefault((node, shape), []).append(mb)
+        for (node, shape), mbs in sorted(alike.items(), key=lambda kv: -sum(kv[1])):
+            count = f" (x{len(mbs)})" if len(mbs) > 1 else ""
+            lines.append(f"| {label} | {node}{count} | {'x'.join(map(str, shape))} | "
+                         f"{sum(mbs):.2f} |")
+        lines.append(f"| **{label}** | **all; {ms:.1f} ms fwd+bwd** | | "
+                     f"**{sum(r[2] for r in rows):.2f}** |")
+    return "\n".join(lines)
+
+
 def table(name: str, columns: dict[str, dict[str, float]], top: int = 8) -> str:
     heads = list(columns)
     total = {h: sum(columns[h].values()) for h in heads}
@@ -85,6 +167,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-compile", action="store_true", help="eager tables only")
     parser.add_argument("--networks", nargs="+", choices=["resnet18", "mobilenet_v2"],
                         help="profile these whole networks instead of single layers")
+    parser.add_argument("--memory", action="store_true",
+                        help="itemize the tensors saved for backward instead of timing")
+    parser.add_argument("--batch", type=int, default=32, help="batch size of the layers")
     parser.add_argument("--write", action="store_true")
     parser.add_argument("--system-malloc", action="store_true",
                         help="leave glibc's malloc at its defaults (see harness.steady_malloc)")
@@ -95,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"skipped: {line} is not installed")
     formats = {f.name: f for f in conv_formats(96, 96, 10, 3, 1, (6, 4, 4))}
     torch.manual_seed(0)
-    x = torch.randn(32, 96, 32, 32).requires_grad_(True)
+    x = torch.randn(args.batch, 96, 32, 32).requires_grad_(True)
     blocks = [machine(), allocator]
     marks = "profile tables"
     for name in args.networks or ():
@@ -106,7 +191,19 @@ def main(argv: list[str] | None = None) -> int:
         print("\n" + text, flush=True)
         blocks.append(text)
         marks = "network profile tables"
-    for name in () if args.networks else args.formats:
+    if args.memory:
+        marks = "memory profile tables"
+        for name in args.formats:
+            fmt = formats[name]
+            layer = tnspec.layer(fmt.spec, **fmt.sizes)
+            for _ in range(3):  # the order the layer settles on (autotuned) is the one listed
+                fwd_bwd(layer, x)()
+            modules = {"tnspec": layer, "tnspec checkpointed": Checkpointed(layer),
+                       **{label: build() for label, build in fmt.anchors.items()}}
+            text = memory_table(f"{name} (batch {args.batch})", modules, x)
+            print("\n" + text, flush=True)
+            blocks.append(text)
+    for name in () if args.networks or args.memory else args.formats:
         fmt = formats[name]
         layer = tnspec.layer(fmt.spec, **fmt.sizes)
         modules: dict[str, nn.Module] = {"tnspec": layer}
