@@ -5,6 +5,7 @@ channels, 32x32, 3x3, rank 10, 2 threads), and for the same tnspec layers compil
     python benchmarks/profile_ops.py [--formats cp tucker tt] [--steps 20] [--write]
     python benchmarks/profile_ops.py --networks resnet18 mobilenet_v2 [--write]
     python benchmarks/profile_ops.py --memory [--formats cp tucker] [--batch 128] [--write]
+    python benchmarks/profile_ops.py --dense --stride 2 --formats tr tt-modes --no-compile
 
 For each format, one table: the aten operators by self CPU time per fwd+bwd step, tnspec
 beside the library, so that "same operators, same time" or "this operator costs more" can be
@@ -17,7 +18,9 @@ at batch 32, 32x32, the dense network beside the tensorized one, as built), for 
 profile block. ``--memory`` lists instead what each implementation keeps for the backward
 pass: every tensor an autograd node saved (each storage once; the layer's input and
 parameters left out, as the speed table's "activation MB" leaves them out), with the node
-that saved it, and the output.
+that saved it, and the output. ``--dense`` puts the dense conv and tnspec's dense-first order
+beside tnspec instead of the library (``--stride 2``: the speed table's stride-2 case), for
+the dense profile block.
 """
 
 from __future__ import annotations
@@ -170,6 +173,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--memory", action="store_true",
                         help="itemize the tensors saved for backward instead of timing")
     parser.add_argument("--batch", type=int, default=32, help="batch size of the layers")
+    parser.add_argument("--stride", type=int, default=1, help="stride of the layers")
+    parser.add_argument("--dense", action="store_true",
+                        help="beside tnspec, the dense conv and tnspec's dense-first order "
+                        "instead of the library (the 'min(dense, reconstruct-first)' goal)")
     parser.add_argument("--write", action="store_true")
     parser.add_argument("--system-malloc", action="store_true",
                         help="leave glibc's malloc at its defaults (see harness.steady_malloc)")
@@ -178,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     for line in missing():
         print(f"skipped: {line} is not installed")
-    formats = {f.name: f for f in conv_formats(96, 96, 10, 3, 1, (6, 4, 4))}
+    formats = {f.name: f for f in conv_formats(96, 96, 10, 3, args.stride, (6, 4, 4))}
     torch.manual_seed(0)
     x = torch.randn(args.batch, 96, 32, 32).requires_grad_(True)
     blocks = [machine(), allocator]
@@ -208,7 +215,12 @@ def main(argv: list[str] | None = None) -> int:
         layer = tnspec.layer(fmt.spec, **fmt.sizes)
         modules: dict[str, nn.Module] = {"tnspec": layer}
         library = LIBRARY.get(name)
-        if library in fmt.anchors:
+        if args.dense:
+            marks = "dense profile tables"
+            modules["tnspec dense-first"] = tnspec.layer(fmt.spec, planner="dense-first",
+                                                         autotune=False, **fmt.sizes)
+            modules["dense conv"] = nn.Conv2d(96, 96, 3, args.stride, 1, bias=False)
+        elif library in fmt.anchors:
             modules[library] = fmt.anchors[library]()
         if not args.no_compile:
             torch._dynamo.reset()
@@ -216,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
             for label, module in list(modules.items()):
                 modules[f"{label} compiled"] = torch.compile(module)
         columns = ops(modules, x, args.steps)
-        text = table(name, columns)
+        text = table(name if args.stride == 1 else f"{name}, stride {args.stride}", columns)
         print("\n" + text, flush=True)
         blocks.append(text)
     if args.write:

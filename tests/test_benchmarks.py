@@ -74,6 +74,15 @@ def test_profile_tables_name_the_operators_of_both_columns(capsys):
     assert "| aten::convolution_backward |" in out and "**all operators**" in out
 
 
+def test_dense_profile_puts_the_dense_conv_beside_tnspec(capsys):
+    profile_ops = load("profile_ops")
+    assert profile_ops.main(["--dense", "--stride", "2", "--formats", "tr", "--steps", "1",
+                             "--no-compile", "--system-malloc"]) == 0
+    out = capsys.readouterr().out
+    assert "tr, stride 2: self CPU ms" in out
+    assert "| operator | tnspec | tnspec dense-first | dense conv |" in out
+
+
 def test_memory_profile_itemizes_what_each_implementation_saves(capsys):
     pytest.importorskip("tltorch", reason="tensorly-torch is in the test extra")
     profile_ops = load("profile_ops")
