@@ -9,7 +9,7 @@ import torch
 
 import tnspec
 from tnspec import Role, SpecError
-from tnspec.check import RESERVED_NAMES
+from tnspec.ir import RESERVED_NAMES
 from tnspec.shapes import conv_out
 
 HTK2 = ("x[b, c, h+kh-1, w+kw-1], U[c, r0, phi], G[r0, r1, kh, kw, phi], V[r1, o, phi]"

@@ -13,8 +13,8 @@ from dataclasses import replace
 from typing import Any, Mapping
 
 from .errors import Span, SpecError
-from .ir import (DEFAULT_MAX_ELEMENTS, MAX_CONV_DIMS, RESERVED_NAMES, Conv, Index, Network,
-                 Options, Role, Tensor, assign_roles)
+from .ir import (DEFAULT_MAX_ELEMENTS, MAX_CONV_DIMS, Conv, Index, Network, Options, Role, Tensor,
+                 assign_roles, clashes)
 from .parse import Document, IndexNode, LayerNode, NetworkNode, OperandNode, SizeExpr
 from .settings import SizeBinder, read_options
 
@@ -216,7 +216,7 @@ class _Checker:
                            + (f" (a core named like {what})" if is_core else ""),
                            node.name_span, "give every operand its own name")
             seen[node.name] = node
-            if is_core and (node.name in RESERVED_NAMES or node.name.startswith("_")):
+            if is_core and clashes(node.name):
                 self.error(f"core name {node.name!r} clashes with an attribute of the generated "
                            "module", node.name_span, f"rename it, e.g. {node.name.strip('_')}_w")
             seen_ix: set[str] = set()

@@ -62,6 +62,13 @@ RESERVED_NAMES = frozenset("""
 MAX_CONV_DIMS = 3
 
 
+def clashes(core: str) -> bool:
+    """Whether a core of this name cannot be an attribute of the generated module under its own
+    name: one of :data:`RESERVED_NAMES`, or a leading underscore (Python mangles
+    ``self.__W`` inside the generated class; ``_W`` is the module's private space)."""
+    return core in RESERVED_NAMES or core.startswith("_")
+
+
 class Role(str, Enum):
     """What an index does in the network (the README, "The language")."""
 

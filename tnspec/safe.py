@@ -17,8 +17,7 @@ import re
 from typing import Any
 
 from .errors import SpecError
-from .ir import (ACTIVATIONS, DISTRIBUTIONS, INITS, RESERVED_NAMES, STRIDE_COUNTS, Network,
-                 Tensor)
+from .ir import ACTIVATIONS, DISTRIBUTIONS, INITS, STRIDE_COUNTS, Network, Tensor, clashes
 from .program import (Bias, Call, CheckIndex, CheckShape, CompileCopy, Let, Param, Program,
                       Relayout, Require, Unflatten, Unpack, Var)
 from .shapes import Size
@@ -81,7 +80,7 @@ def network(net: Any) -> None:
     for n, t in enumerate((net.input, *net.cores, net.output)):
         _tensor(t, "input" if n == 0 else "output" if t is net.output else "core", sides)
     for t in net.cores:  # the check stage's rule: each core is an attribute of the module
-        if t.name in RESERVED_NAMES or t.name.startswith("_"):
+        if clashes(t.name):
             raise SpecError(f"core name {t.name!r} clashes with an attribute of the generated "
                             "module", hint=f"rename it, e.g. {t.name.strip('_')}_w")
     for ix in net.indices:
