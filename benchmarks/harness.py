@@ -71,23 +71,32 @@ def interleaved(runs: list[Callable[[], None]], rounds: int,
     return times
 
 
-def activation_bytes(module: nn.Module, x: torch.Tensor, autocast: torch.dtype | None = None
-                     ) -> int:
-    """Bytes saved for backward (each storage once) plus the output's."""
-    seen: dict[int, int] = {}
-    params = {p.untyped_storage().data_ptr() for p in module.parameters()}
+def kept_for_backward(module: nn.Module, x: torch.Tensor, autocast: torch.dtype | None = None
+                      ) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
+    """One forward of ``module`` on ``x``: the tensors it saves for backward, one per storage
+    (keyed by the storage's address; the input's and the parameters' left out, as a layer's
+    activation memory leaves them out), and the output."""
+    skip = {p.untyped_storage().data_ptr() for p in module.parameters()}
+    skip.add(x.untyped_storage().data_ptr())
+    kept: dict[int, torch.Tensor] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        s = t.untyped_storage()
-        if s.data_ptr() not in params and s.data_ptr() != x.untyped_storage().data_ptr():
-            seen[s.data_ptr()] = s.nbytes()
+        if t.untyped_storage().data_ptr() not in skip:
+            kept.setdefault(t.untyped_storage().data_ptr(), t)
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
             precision(x.device, autocast):
         y = module(x)
-    seen[y.untyped_storage().data_ptr()] = y.untyped_storage().nbytes()
-    return sum(seen.values())
+    return kept, y
+
+
+def activation_bytes(module: nn.Module, x: torch.Tensor, autocast: torch.dtype | None = None
+                     ) -> int:
+    """Bytes saved for backward (each storage once) plus the output's."""
+    kept, y = kept_for_backward(module, x, autocast)
+    kept[y.untyped_storage().data_ptr()] = y
+    return sum(t.untyped_storage().nbytes() for t in kept.values())
 
 
 @contextlib.contextmanager

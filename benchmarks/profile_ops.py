@@ -37,7 +37,8 @@ from torch.utils.checkpoint import checkpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from anchors import conv_formats, missing  # noqa: E402
-from harness import fwd_bwd, interleaved, machine, steady_malloc  # noqa: E402
+from harness import (fwd_bwd, interleaved, kept_for_backward, machine,  # noqa: E402
+                     steady_malloc)
 import models  # noqa: E402
 
 import tnspec  # noqa: E402
@@ -71,23 +72,12 @@ def ops(modules: dict[str, nn.Module], x: torch.Tensor, steps: int,
 
 
 def saved(module: nn.Module, x: torch.Tensor) -> list[tuple[str, tuple[int, ...], float]]:
-    """(autograd node, shape, MB) of each tensor one forward saves for backward, each storage
-    once, the input's and the parameters' left out, then the output: what the speed table's
-    activation memory counts, itemized. The storages kept are those the pack hook sees (as
-    ``harness.activation_bytes`` counts them); the graph is walked only to name them, and not
-    at all when nothing was kept (a checkpointed module, whose saved tensors reading would
-    recompute)."""
-    skip = {p.untyped_storage().data_ptr() for p in module.parameters()}
-    skip.add(x.untyped_storage().data_ptr())
-    kept: dict[int, torch.Tensor] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        if t.untyped_storage().data_ptr() not in skip:
-            kept.setdefault(t.untyped_storage().data_ptr(), t)
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        y = module(x)
+    """(autograd node, shape, MB) of each tensor one forward saves for backward, then the
+    output: what the speed table's activation memory counts (``harness.activation_bytes``),
+    itemized. The graph is walked only to name the tensors kept, and not at all when nothing
+    was kept (a checkpointed module, whose saved tensors reading would recompute)."""
+    kept, y = kept_for_backward(module, x)
+    kept.pop(y.untyped_storage().data_ptr(), None)  # listed once, as the output
     names: dict[int, str] = {}
     nodes, seen = [y.grad_fn] if kept else [], set()
     while nodes:
@@ -198,13 +188,13 @@ def main(argv: list[str] | None = None) -> int:
         print("\n" + text, flush=True)
         blocks.append(text)
         marks = "network profile tables"
+    if args.dense and not args.memory:
+        marks = "dense profile tables"
     if args.memory:
         marks = "memory profile tables"
         for name in args.formats:
             fmt = formats[name]
-            layer = tnspec.layer(fmt.spec, **fmt.sizes)
-            for _ in range(3):  # the order the layer settles on (autotuned) is the one listed
-                fwd_bwd(layer, x)()
+            layer = tnspec.layer(fmt.spec, **fmt.sizes)  # memory_table's warm-up autotunes it
             modules = {"tnspec": layer, "tnspec checkpointed": Checkpointed(layer),
                        **{label: build() for label, build in fmt.anchors.items()}}
             text = memory_table(f"{name} (batch {args.batch})", modules, x)
@@ -216,7 +206,6 @@ def main(argv: list[str] | None = None) -> int:
         modules: dict[str, nn.Module] = {"tnspec": layer}
         library = LIBRARY.get(name)
         if args.dense:
-            marks = "dense profile tables"
             modules["tnspec dense-first"] = tnspec.layer(fmt.spec, planner="dense-first",
                                                          autotune=False, **fmt.sizes)
             modules["dense conv"] = nn.Conv2d(96, 96, 3, args.stride, 1, bias=False)
