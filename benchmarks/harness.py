@@ -99,6 +99,15 @@ def activation_bytes(module: nn.Module, x: torch.Tensor, autocast: torch.dtype |
     return sum(t.untyped_storage().nbytes() for t in kept.values())
 
 
+def channels_last_parameters(module: nn.Module) -> None:
+    """Every 4-D parameter of ``module`` channels-last, as ``module.to(memory_format=...)``
+    would convert them; that call raises on the 5-D cores some formats have."""
+    with torch.no_grad():
+        for p in module.parameters():
+            if p.dim() == 4:
+                p.data = p.data.contiguous(memory_format=torch.channels_last)
+
+
 @contextlib.contextmanager
 def full_float32() -> Iterator[None]:
     """No TF32 in CUDA convolutions and matmuls (their defaults differ) for exact comparisons."""

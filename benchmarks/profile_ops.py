@@ -6,6 +6,7 @@ channels, 32x32, 3x3, rank 10, 2 threads), and for the same tnspec layers compil
     python benchmarks/profile_ops.py --networks resnet18 mobilenet_v2 [--write]
     python benchmarks/profile_ops.py --memory [--formats cp tucker] [--batch 128] [--write]
     python benchmarks/profile_ops.py --dense --stride 2 --formats tr tt-modes --no-compile
+    python benchmarks/profile_ops.py --dense --channels-last --formats tr --no-compile
 
 For each format, one table: the aten operators by self CPU time per fwd+bwd step, tnspec
 beside the library, so that "same operators, same time" or "this operator costs more" can be
@@ -20,7 +21,10 @@ pass: every tensor an autograd node saved (each storage once; the layer's input 
 parameters left out, as the speed table's "activation MB" leaves them out), with the node
 that saved it, and the output. ``--dense`` puts the dense conv and tnspec's dense-first order
 beside tnspec instead of the library (``--stride 2``: the speed table's stride-2 case), for
-the dense profile block.
+the dense profile block; ``--channels-last`` feeds a channels-last input, every 4-D
+parameter converted as ``speed.py`` converts them (the speed table's channels-last case),
+with the cost model's order and the format's library beside them, for the channels-last
+dense profile block.
 """
 
 from __future__ import annotations
@@ -37,8 +41,8 @@ from torch.utils.checkpoint import checkpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from anchors import conv_formats, missing  # noqa: E402
-from harness import (fwd_bwd, interleaved, kept_for_backward, machine,  # noqa: E402
-                     steady_malloc)
+from harness import (channels_last_parameters, fwd_bwd, interleaved,  # noqa: E402
+                     kept_for_backward, machine, steady_malloc)
 import models  # noqa: E402
 
 import tnspec  # noqa: E402
@@ -167,6 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dense", action="store_true",
                         help="beside tnspec, the dense conv and tnspec's dense-first order "
                         "instead of the library (the 'min(dense, reconstruct-first)' goal)")
+    parser.add_argument("--channels-last", action="store_true",
+                        help="a channels-last input and 4-D parameters (with --dense)")
     parser.add_argument("--write", action="store_true")
     parser.add_argument("--system-malloc", action="store_true",
                         help="leave glibc's malloc at its defaults (see harness.steady_malloc)")
@@ -177,7 +183,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"skipped: {line} is not installed")
     formats = {f.name: f for f in conv_formats(96, 96, 10, 3, args.stride, (6, 4, 4))}
     torch.manual_seed(0)
-    x = torch.randn(args.batch, 96, 32, 32).requires_grad_(True)
+    x = torch.randn(args.batch, 96, 32, 32)
+    if args.channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+    x.requires_grad_(True)
     blocks = [machine(), allocator]
     marks = "profile tables"
     for name in args.networks or ():
@@ -189,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         blocks.append(text)
         marks = "network profile tables"
     if args.dense and not args.memory:
-        marks = "dense profile tables"
+        marks = "dense profile tables" + (" channels_last" if args.channels_last else "")
     if args.memory:
         marks = "memory profile tables"
         for name in args.formats:
@@ -209,15 +218,25 @@ def main(argv: list[str] | None = None) -> int:
             modules["tnspec dense-first"] = tnspec.layer(fmt.spec, planner="dense-first",
                                                          autotune=False, **fmt.sizes)
             modules["dense conv"] = nn.Conv2d(96, 96, 3, args.stride, 1, bias=False)
+            if args.channels_last:  # where the default keeps the model's order; the library
+                modules["tnspec model's order"] = tnspec.layer(fmt.spec, autotune=False,
+                                                               **fmt.sizes)
+                if library in fmt.anchors:
+                    modules[library] = fmt.anchors[library]()
         elif library in fmt.anchors:
             modules[library] = fmt.anchors[library]()
+        if args.channels_last:
+            for module in modules.values():
+                channels_last_parameters(module)
         if not args.no_compile:
             torch._dynamo.reset()
             layer(x)  # the compiled layer traces the class this eager call chose
             for label, module in list(modules.items()):
                 modules[f"{label} compiled"] = torch.compile(module)
         columns = ops(modules, x, args.steps)
-        text = table(name if args.stride == 1 else f"{name}, stride {args.stride}", columns)
+        title = name + (f", stride {args.stride}" if args.stride != 1 else "") + \
+            (", channels_last" if args.channels_last else "")
+        text = table(title, columns)
         print("\n" + text, flush=True)
         blocks.append(text)
     if args.write:

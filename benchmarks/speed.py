@@ -38,8 +38,8 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import models  # noqa: E402
 from anchors import Format, conv_formats, linear_format, missing  # noqa: E402
-from harness import (activation_bytes, full_float32, fwd_bwd, interleaved,  # noqa: E402
-                     machine, steady_malloc, synchronizer)
+from harness import (activation_bytes, channels_last_parameters, full_float32,  # noqa: E402
+                     fwd_bwd, interleaved, machine, steady_malloc, synchronizer)
 
 import tnspec  # noqa: E402
 
@@ -123,11 +123,8 @@ def case(title: str, formats: list[Format], dense: nn.Module, x: torch.Tensor, r
     entries += extra
     entries = [(f, i, m.to(x.device)) for f, i, m in entries]
     if x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last):
-        for _, _, m in entries:  # as model.to(memory_format=...) would, but 4-D tensors only:
-            with torch.no_grad():  # it raises on the 5-D cores some formats have
-                for p in m.parameters():
-                    if p.dim() == 4:
-                        p.data = p.data.contiguous(memory_format=torch.channels_last)
+        for _, _, m in entries:
+            channels_last_parameters(m)
     if compiled:
         torch._dynamo.reset()
         entries = [(f, i, torch.compile(m, mode=compile_mode)) for f, i, m in entries]

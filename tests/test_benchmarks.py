@@ -83,6 +83,17 @@ def test_dense_profile_puts_the_dense_conv_beside_tnspec(capsys):
     assert "| operator | tnspec | tnspec dense-first | dense conv |" in out
 
 
+def test_channels_last_dense_profile_adds_the_model_order_and_the_library(capsys):
+    pytest.importorskip("tednet", reason="tednet is in the test extra")
+    profile_ops = load("profile_ops")
+    assert profile_ops.main(["--dense", "--channels-last", "--formats", "tr", "--steps", "1",
+                             "--no-compile", "--system-malloc"]) == 0
+    out = capsys.readouterr().out
+    assert "tr, channels_last: self CPU ms" in out
+    assert ("| operator | tnspec | tnspec dense-first | dense conv | tnspec model's order "
+            "| tednet |") in out
+
+
 def test_memory_profile_itemizes_what_each_implementation_saves(capsys):
     pytest.importorskip("tltorch", reason="tensorly-torch is in the test extra")
     profile_ops = load("profile_ops")
