@@ -135,13 +135,14 @@ def machine(device: torch.device = torch.device("cpu")) -> str:
             f"{tnspec.__version__}")
 
 
-def steady_malloc(keep: bool = True) -> str:
+def steady_malloc(keep: bool = True, trim: int = -1) -> str:
     """Have glibc's malloc keep freed memory for reuse (no block of its own mapped per large
     tensor, no memory handed back to the system), as jemalloc or tcmalloc do, and describe the
     allocator for the table's header. With glibc's defaults a large tensor is sometimes mapped
     afresh and its pages faulted in while an op writes it, depending on what ran before: the
     same module then times differently by its place in the interleaved loop, by more than the
-    implementations compared differ (``--system-malloc`` shows it)."""
+    implementations compared differ (``--system-malloc`` shows it). ``trim``: glibc's
+    M_TRIM_THRESHOLD, -1 for never (``benchmarks/allocator.py`` compares the settings)."""
     if not keep:
         return "Allocator: glibc malloc defaults (--system-malloc)"
     try:
@@ -150,9 +151,9 @@ def steady_malloc(keep: bool = True) -> str:
         # -1: never trim (mallopt(3)). A threshold of 2^31-1 let the heap be cut back after
         # a module with 2+ GB of activations (left-to-right TR at batch 128), and the next
         # modules faulted their pages in again: 1.2-1.6x on identical code in one run
-        if libc.mallopt(m_mmap_max, 0) and libc.mallopt(m_trim_threshold, -1):
+        if libc.mallopt(m_mmap_max, 0) and libc.mallopt(m_trim_threshold, trim):
             return ("Allocator: glibc malloc keeping freed memory (mallopt M_MMAP_MAX=0, "
-                    "M_TRIM_THRESHOLD=-1; --system-malloc for the defaults)")
+                    f"M_TRIM_THRESHOLD={trim}; --system-malloc for the defaults)")
     except OSError:
         pass
     return "Allocator: the system's (not glibc: left as it is)"

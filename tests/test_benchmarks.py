@@ -64,6 +64,13 @@ def test_steady_malloc_sets_glibc_to_keep_freed_memory():
     assert out[1] == "Allocator: glibc malloc defaults (--system-malloc)"
 
 
+def test_allocator_benchmark_compares_both_trim_settings(capsys):
+    allocator = load("allocator")
+    assert allocator.main(["--rounds", "1", "--batch", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "| never trim (-1) |" in out and "| trim above 2^31-1 |" in out
+
+
 def test_profile_tables_name_the_operators_of_both_columns(capsys):
     pytest.importorskip("tltorch", reason="tensorly-torch is in the test extra")
     profile_ops = load("profile_ops")
