@@ -7,6 +7,7 @@ channels, 32x32, 3x3, rank 10, 2 threads), and for the same tnspec layers compil
     python benchmarks/profile_ops.py --memory [--formats cp tucker] [--batch 128] [--write]
     python benchmarks/profile_ops.py --dense --stride 2 --formats tr tt-modes --no-compile
     python benchmarks/profile_ops.py --dense --channels-last --formats tr --no-compile
+    python benchmarks/profile_ops.py --dense --formats tt-modes --no-compile
 
 For each format, one table: the aten operators by self CPU time per fwd+bwd step, tnspec
 beside the library, so that "same operators, same time" or "this operator costs more" can be
@@ -20,11 +21,11 @@ profile block. ``--memory`` lists instead what each implementation keeps for the
 pass: every tensor an autograd node saved (each storage once; the layer's input and
 parameters left out, as the speed table's "activation MB" leaves them out), with the node
 that saved it, and the output. ``--dense`` puts the dense conv and tnspec's dense-first order
-beside tnspec instead of the library (``--stride 2``: the speed table's stride-2 case), for
-the dense profile block; ``--channels-last`` feeds a channels-last input, every 4-D
+beside tnspec instead of the library (``--stride 2``: the speed table's stride-2 case);
+``--channels-last`` feeds a channels-last input, every 4-D
 parameter converted as ``speed.py`` converts them (the speed table's channels-last case),
-with the cost model's order and the format's library beside them, for the channels-last
-dense profile block.
+with the cost model's order and the format's library beside them. Each stride and layout
+has a dense profile block of its own.
 """
 
 from __future__ import annotations
@@ -198,7 +199,8 @@ def main(argv: list[str] | None = None) -> int:
         blocks.append(text)
         marks = "network profile tables"
     if args.dense and not args.memory:
-        marks = "dense profile tables" + (" channels_last" if args.channels_last else "")
+        marks = "dense profile tables" + (f" stride {args.stride}" if args.stride != 1 else "") \
+            + (" channels_last" if args.channels_last else "")  # a block of RESULTS.md each
     if args.memory:
         marks = "memory profile tables"
         for name in args.formats:
