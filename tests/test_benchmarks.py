@@ -71,6 +71,28 @@ def test_allocator_benchmark_compares_both_trim_settings(capsys):
     assert "| never trim (-1) |" in out and "| trim above 2^31-1 |" in out
 
 
+def test_goals_say_where_two_rows_ran_the_same_code():
+    """A default layer and a layer held to the same order run one generated source, and the
+    goals table says so beside their ratio; dense-first's is another."""
+    import tnspec
+    speed = load("speed")
+    spec = "x[b, c, h+kh-1, w+kw-1], A[c, r], KH[kh, r], KW[kw, r], B[r, o] -> y[b, o, h, w]"
+    sizes = dict(c=8, o=8, r=2, kh=3, kw=3)
+    x = torch.randn(2, 8, 6, 6)
+    layers = [tnspec.layer(spec, autotune=False, **sizes) for _ in range(2)]
+    layers.append(tnspec.layer(spec, planner="dense-first", autotune=False, **sizes))
+    assert speed.ran(torch.nn.Conv2d(8, 8, 3)) is None
+    for layer in layers:
+        layer(x)
+    rows = [dict(code=speed.ran(layer)) for layer in layers]
+    assert speed._same(rows[0], rows[1]) and not speed._same(rows[0], rows[2])
+    row = dict(case="c", format="cp", impl="tnspec", x_anchor=0.5, mb=1.0, anchor_mb=1.0,
+               x_dense_or_reconstruct=1.2, x_fastest=1.3, same_as_bound=True,
+               same_as_fastest=True)
+    assert "| 1.20 MISSED (same code as dense-first) |" in speed.goals([row])
+    assert "| 1.30 MISSED (same code) |" in speed.goals([row])
+
+
 def test_profile_tables_name_the_operators_of_both_columns(capsys):
     pytest.importorskip("tltorch", reason="tensorly-torch is in the test extra")
     profile_ops = load("profile_ops")
