@@ -19,11 +19,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -31,7 +29,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from anchors import conv_formats  # noqa: E402
-from harness import fwd_bwd, machine, steady_malloc  # noqa: E402
+from harness import fwd_bwd, interleaved, machine, steady_malloc  # noqa: E402
 
 import tnspec  # noqa: E402
 
@@ -49,22 +47,17 @@ def measure(trim: int, rounds: int, batch: int) -> dict[str, list[float]]:
                "big": tnspec.layer(tr.spec, planner="left-to-right", autotune=False,
                                    **tr.sizes),
                "dense": nn.Conv2d(96, 96, 3, 1, 1, bias=False)}
-    runs = {name: fwd_bwd(m, x) for name, m in modules.items()}
-    for run in runs.values():
+    runs = [fwd_bwd(m, x) for m in modules.values()]
+    for run in runs:
         run()
-    order, shuffle = list(runs), random.Random(0).shuffle
+    sequence: list[int] = []
+    times = interleaved(runs, rounds, ran=sequence)
+    names, big = list(modules), list(modules).index("big")
     out: dict[str, list[float]] = {"after the big module": [], "after another": []}
-    before = None
-    for _ in range(rounds):
-        shuffle(order)
-        for name in order:
-            start = time.perf_counter()
-            runs[name]()
-            seconds = time.perf_counter() - start
-            if name.startswith("cp"):
-                out["after the big module" if before == "big" else "after another"].append(
-                    seconds)
-            before = name
+    for k, (before, n) in enumerate(zip([None, *sequence], sequence)):
+        if names[n].startswith("cp"):  # each round runs each once: this is round k // len
+            out["after the big module" if before == big else "after another"].append(
+                times[n][k // len(runs)])
     return out
 
 

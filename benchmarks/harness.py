@@ -52,11 +52,13 @@ def synchronizer(device: torch.device) -> Callable[[], None]:
 
 
 def interleaved(runs: list[Callable[[], None]], rounds: int,
-                sync: Callable[[], None] = lambda: None) -> list[list[float]]:
+                sync: Callable[[], None] = lambda: None,
+                ran: list[int] | None = None) -> list[list[float]]:
     """Seconds of each run in each round. Every round runs each once, in a fresh shuffled order
     (fixed seed): a run's time depends on what ran just before it (caches, the allocator's free
     lists), and in a fixed order two identical layers side by side read further apart than the
-    implementations compared differ, so no run keeps the same predecessor."""
+    implementations compared differ, so no run keeps the same predecessor. ``ran``, if given,
+    receives the index of each run in the order they ran."""
     order = list(range(len(runs)))
     shuffle = random.Random(0).shuffle
     times: list[list[float]] = [[] for _ in runs]
@@ -68,6 +70,8 @@ def interleaved(runs: list[Callable[[], None]], rounds: int,
             runs[n]()
             sync()
             times[n].append(time.perf_counter() - start)
+            if ran is not None:
+                ran.append(n)
     return times
 
 
