@@ -158,6 +158,16 @@ def test_layers_that_cannot_be_expressed_are_skipped_with_a_reason():
     assert "skipped 1 x Conv2d (0): padding_mode='reflect'" in str(report)
 
 
+def test_rank_multiple_rounds_each_layers_share_and_needs_a_share():
+    model = nn.Sequential(nn.Conv2d(128, 128, 3, padding=1), nn.ReLU(),
+                          nn.Conv2d(128, 256, 3, padding=1))
+    model, report = tnspec.tensorize(model, "tucker2", rank=0.25, rank_multiple=16)
+    assert [(m.sizes["r0"], m.sizes["r1"]) for m in (model[0], model[2])] == [(48, 48), (64, 64)]
+    assert len(report.replaced) == 2
+    with pytest.raises(tnspec.SpecError, match="(?s)rank_multiple=16 with rank=8.*give rank=0.25"):
+        tnspec.tensorize(nn.Sequential(nn.Conv2d(8, 8, 3)), "tucker2", rank=8, rank_multiple=16)
+
+
 def test_include_and_exclude_select_layers():
     def model():
         inner = nn.Sequential(nn.Conv2d(8, 8, 3), nn.Linear(8, 8))

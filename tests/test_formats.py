@@ -86,6 +86,33 @@ def test_a_fractional_rank_fits_the_parameter_budget():
     assert tnspec.compile(bigger.spec, **bigger.sizes).num_parameters > 0.25 * 64 * 64 * 9
 
 
+@pytest.mark.parametrize("fn, channels, share, multiple, expected", [
+    (formats.tucker2, 128, 0.25, 16, 48),  # 51 within the share, rounded down
+    (formats.tucker2, 256, 0.25, 16, 96),  # 102
+    (formats.tucker2, 64, 0.25, 8, 24),  # 25
+    (formats.cp, 64, 0.25, 16, 64),  # already a multiple within the share
+    (formats.tucker2, 16, 0.25, 16, 6),  # no multiple fits: the share's own rank
+])
+def test_rank_multiple_rounds_a_shares_rank_down(fn, channels, share, multiple, expected):
+    fmt = fn(channels, channels, 3, rank=share, padding=1, rank_multiple=multiple)
+    ranks = {v for k, v in fmt.sizes.items() if k.startswith("r")}
+    assert ranks == {expected}
+    assert tnspec.compile(fmt.spec, **fmt.sizes).num_parameters <= share * channels ** 2 * 9
+    plain = fn(channels, channels, 3, rank=share, padding=1).sizes
+    assert min(v for k, v in plain.items() if k.startswith("r")) >= expected
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: formats.tucker2(64, 64, 3, rank=8, rank_multiple=16),
+     "(?s)rank_multiple=16 with rank=8.*rounds the rank of a share"),
+    (lambda: formats.tucker2(64, 64, 3, rank=0.25, rank_multiple=0),
+     "(?s)rank_multiple=0 must be a positive int"),
+])
+def test_rank_multiple_needs_a_share_and_a_positive_int(call, match):
+    with pytest.raises(tnspec.SpecError, match=match):
+        call()
+
+
 def test_rank_tuples_name_each_edge():
     fmt = formats.tucker2(16, 16, 3, rank=(3, 5))
     assert (fmt.sizes["r0"], fmt.sizes["r1"]) == (3, 5)

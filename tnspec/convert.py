@@ -109,11 +109,12 @@ def tensorize(model: nn.Module, format: str = "tucker2", *, rank: int | float = 
     function of ``(name, module)``) by a tnspec layer of ``format`` (a name of
     :data:`tnspec.formats.NAMES`) with the same stride, padding, dilation, groups and bias.
     ``rank`` is an int or a share of each dense layer's parameters; ``options`` go to
-    :func:`tnspec.formats.build` (``phi``, ``in_modes``, ...). Each layer is initialized with
-    ``init`` for the activation that follows it in the model (read from ``torch.fx`` or the
-    order of an ``nn.Sequential``) unless ``activation`` is given. Layers that cannot be
-    expressed (reflect padding, asymmetric 'same' padding, a rank too small) are skipped and
-    listed in the report. Returns ``(model, report)``.
+    :func:`tnspec.formats.build` (``phi``, ``in_modes``, ...; ``rank_multiple=16`` rounds each
+    share's rank down to a multiple of 16, which CPU convolutions run faster). Each layer is
+    initialized with ``init`` for the activation that follows it in the model (read from
+    ``torch.fx`` or the order of an ``nn.Sequential``) unless ``activation`` is given. Layers
+    that cannot be expressed (reflect padding, asymmetric 'same' padding, a rank too small) are
+    skipped and listed in the report. Returns ``(model, report)``.
 
     ``weights="fit"`` fits each new layer to the weight of the layer it replaces
     (:meth:`Layer.fit_`) and copies the bias; the report gives each fit's relative error.
@@ -154,6 +155,10 @@ def tensorize(model: nn.Module, format: str = "tucker2", *, rank: int | float = 
             "a format's options are " + ", ".join(_FORMAT_OPTIONS)
         raise TypeError(f"tensorize() got an unexpected keyword argument {unknown[0]!r}; "
                         f"{where}")
+    if options.get("rank_multiple", 1) != 1 and error is None and not isinstance(rank, float):
+        raise SpecError(f"rank_multiple={options['rank_multiple']!r} with rank={rank!r}",
+                        hint="rank_multiple rounds the rank of a share: give rank=0.25 (a "
+                        "float), or an int rank that is the multiple itself")
     before = sum(p.numel() for p in model.parameters())
     following = following_activations(model)
     left_alone = {**_read_directly(model), **_tied(model)}  # {layer name: why}
@@ -305,7 +310,7 @@ def _replacement(module: nn.Module, format: str, rank: int | float, init: str,
     return cls(net, dtype=weight.dtype, device=weight.device)
 
 
-_FORMAT_OPTIONS = ("in_modes", "out_modes", "phi", "blocks")  # formats.build's, by keyword
+_FORMAT_OPTIONS = ("in_modes", "out_modes", "phi", "blocks", "rank_multiple")  # build's
 _FIT_OPTIONS = ("max_iter", "tol", "starts", "hops", "max_seconds")  # Layer.fit_'s
 
 
