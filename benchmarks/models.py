@@ -102,6 +102,8 @@ def pair(name: str, share: float = 0.25, **options: Any) -> tuple[nn.Module, nn.
     tensorized, report = tnspec.tensorize(build(), fmt, rank=share, include=select, **options)
     before = sum(p.numel() for p in dense.parameters())
     after = sum(p.numel() for p in tensorized.parameters())
-    return dense, tensorized, (f"{fmt} at {share:.0%} of the params of each selected layer: "
-                               f"{before:,} -> {after:,} params" +
+    multiple = options.get("rank_multiple", 1)
+    rounded = f", ranks rounded down to a multiple of {multiple}" if multiple > 1 else ""
+    return dense, tensorized, (f"{fmt} at {share:.0%} of the params of each selected layer"
+                               f"{rounded}: {before:,} -> {after:,} params" +
                                ("" if report.layout is None else f"\n{report.layout}"))

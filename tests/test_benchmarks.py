@@ -64,6 +64,15 @@ def test_steady_malloc_sets_glibc_to_keep_freed_memory():
     assert out[1] == "Allocator: glibc malloc defaults (--system-malloc)"
 
 
+def test_channels_benchmark_times_every_rank_and_layer(capsys):
+    channels = load("channels")
+    assert channels.main(["--rounds", "1", "--system-malloc"]) == 0
+    out = capsys.readouterr().out
+    assert all(f"\n| {r} | " in out for r in channels.RANKS)
+    assert "| 128 -> 128, 16x16, stride 1 | 51 |" in out and "| 48 |" in out
+    assert out.count(" -> ") == len(channels.LAYERS) + 1  # the conv table's title too
+
+
 def test_allocator_benchmark_compares_both_trim_settings(capsys):
     allocator = load("allocator")
     assert allocator.main(["--rounds", "1", "--batch", "1"]) == 0
