@@ -73,6 +73,15 @@ def test_channels_benchmark_times_every_rank_and_layer(capsys):
     assert out.count(" -> ") == len(channels.LAYERS) + 1  # the conv table's title too
 
 
+def test_network_layers_benchmark_times_every_replaced_layer_and_the_bound(capsys):
+    network_layers = load("network_layers")
+    assert network_layers.main(["mobilenet_v2", "--batch", "2", "--rounds", "1",
+                                "--system-malloc"]) == 0
+    out = capsys.readouterr().out
+    assert "| 10.block.0 | (2, 64, 8, 8) |" in out and "| 20 | (2, 320, 4, 4) |" in out
+    assert "all 22 replaced layers" in out and "with them free the network would take" in out
+
+
 def test_allocator_benchmark_compares_both_trim_settings(capsys):
     allocator = load("allocator")
     assert allocator.main(["--rounds", "1", "--batch", "1"]) == 0
