@@ -150,7 +150,11 @@ def test_state_dict_holds_only_adapters_and_reloads_onto_a_fresh_model():
     loaded = tnspec.load_adapters(copy.deepcopy(fresh),
                                   torch.load(buffer, weights_only=True))
     x = torch.randn(2, 3, 6, 6)
-    assert torch.equal(loaded(x), model(x))
+    # equal up to float32 rounding: see test_peft_runs_tnspec_adapters_through_its_own_api
+    torch.testing.assert_close(loaded(x), model(x), rtol=1e-6, atol=1e-7)
+    trained, reloaded = model.state_dict(), loaded.state_dict()
+    assert trained.keys() == reloaded.keys()
+    assert all(torch.equal(reloaded[k], v) for k, v in trained.items())
     assert {n for n, p in loaded.named_parameters() if p.requires_grad} == \
         {n for n, p in model.named_parameters() if p.requires_grad}
 
@@ -292,7 +296,10 @@ def test_peft_runs_tnspec_adapters_through_its_own_api(tmp_path):
         assert torch.equal(model(x), ref)
     model.save_pretrained(tmp_path)
     loaded = peft.PeftModel.from_pretrained(copy.deepcopy(fresh), tmp_path, config=config)
-    assert torch.equal(loaded(x), y)
+    # the same weights at other addresses: MKL's float32 GEMM may round differently with the
+    # operands' alignment (an nn.Linear alone differs in the last bit on an AMD EPYC), so
+    # equal up to float32 rounding, not bit for bit
+    torch.testing.assert_close(loaded(x), y, rtol=1e-6, atol=1e-7)
     merged = model.merge_and_unload()
     assert type(merged[0]) is nn.Conv2d and merged[0].padding_mode == "reflect"
     assert (merged(x) - y).norm() <= 1e-5 * y.norm()
