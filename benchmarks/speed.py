@@ -196,7 +196,11 @@ def table(rows: list[dict]) -> str:
 
 
 def _goal(value: float, limit: float) -> str:
-    return "" if math.isnan(value) else f"{value:.2f} {'met' if value <= limit else 'MISSED'}"
+    if math.isnan(value):
+        return ""
+    # a third digit where two would print the limit itself beside "MISSED" (0.501 for 0.50)
+    digits = 3 if value > limit and f"{value:.2f}" == f"{limit:.2f}" else 2
+    return f"{value:.{digits}f} {'met' if value <= limit else 'MISSED'}"
 
 
 def goals(rows: list[dict]) -> str:

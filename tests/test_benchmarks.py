@@ -111,6 +111,13 @@ def test_goals_say_where_two_rows_ran_the_same_code():
     assert "| 1.30 MISSED (same code) |" in speed.goals([row])
 
 
+def test_a_ratio_just_over_its_goal_is_not_printed_as_the_goal():
+    speed = load("speed")
+    assert speed._goal(0.5011, 0.5) == "0.501 MISSED"
+    assert speed._goal(0.4996, 0.5) == "0.50 met"
+    assert speed._goal(0.57, 0.5) == "0.57 MISSED"
+
+
 def test_profile_tables_name_the_operators_of_both_columns(capsys):
     pytest.importorskip("tltorch", reason="tensorly-torch is in the test extra")
     profile_ops = load("profile_ops")
