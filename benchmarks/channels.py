@@ -19,13 +19,12 @@ import argparse
 import statistics
 import sys
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import interleaved, machine, steady_malloc  # noqa: E402
+from harness import fwd_bwd, interleaved, machine, steady_malloc  # noqa: E402
 
 import tnspec  # noqa: E402
 
@@ -33,13 +32,6 @@ RANKS = (16, 24, 25, 32, 40, 48, 51, 56, 64)
 # (in, out channels, input side, stride) of the ResNet-18-like network's distinct 3x3 convs
 LAYERS = ((64, 64, 32, 1), (64, 128, 32, 2), (128, 128, 16, 1), (128, 256, 16, 2),
           (256, 256, 8, 1), (256, 512, 8, 2), (512, 512, 4, 1))
-
-
-def step(run: torch.nn.Module, x: torch.Tensor) -> Callable[[], object]:
-    """Forward and backward with a dense output gradient, as an inner layer sees them."""
-    inputs = [x, *run.parameters()]
-    grad = torch.randn_like(run(x))
-    return lambda: torch.autograd.grad(run(x), inputs, grad)
 
 
 class Conv(torch.nn.Module):
@@ -62,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     print(steady_malloc(keep=not args.system_malloc))
     print(f"CPU capability: {torch.backends.cpu.get_cpu_capability()}")
     torch.manual_seed(0)
-    runs = [step(Conv(r), torch.randn(32, r, 32, 32, requires_grad=True)) for r in RANKS]
+    runs = [fwd_bwd(Conv(r), torch.randn(32, r, 32, 32, requires_grad=True)) for r in RANKS]
     times = [statistics.median(t) for t in interleaved(runs, rounds)]
     print(f"\n3x3 conv r -> r, batch 32, 32x32, fwd+bwd, median of {rounds} interleaved rounds")
     print("| r | ms | x r=64 | FLOPs x r=64 |\n|---:|---:|---:|---:|")
@@ -75,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         for multiple in (1, 16):
             fmt = tnspec.formats.tucker2(c, o, 3, rank=0.25, stride=stride, padding=1,
                                          rank_multiple=multiple)
-            layers.append(step(fmt.layer(bias=False), x))
+            layers.append(fwd_bwd(fmt.layer(bias=False), x))
             names.append((c, o, side, stride, fmt.sizes["r0"]))
     times = [statistics.median(t) for t in interleaved(layers, rounds)]
     print(f"\nTucker-2 at 25% of the dense parameters, batch 32, fwd+bwd, median of {rounds} "

@@ -17,24 +17,15 @@ import argparse
 import statistics
 import sys
 from pathlib import Path
-from typing import Callable
 
 import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import models  # noqa: E402
-from harness import interleaved, machine, steady_malloc  # noqa: E402
+from harness import fwd_bwd, interleaved, machine, steady_malloc  # noqa: E402
 
 import tnspec  # noqa: E402
-
-
-def step(module: nn.Module, x: torch.Tensor) -> Callable[[], object]:
-    """Forward and backward with a dense output gradient; the input's gradient is handed back
-    where the input needs one (a layer inside the network), not for the network's image."""
-    inputs = [x] * x.requires_grad + list(module.parameters())
-    grad = torch.randn_like(module(x))
-    return lambda: torch.autograd.grad(module(x), inputs, grad)
 
 
 def replaced_layers(dense: nn.Module, tensorized: nn.Module, image: torch.Tensor
@@ -70,12 +61,12 @@ def main(argv: list[str] | None = None) -> int:
     dense, tensorized, what = models.pair(args.network, rank_multiple=args.rank_multiple)
     print(f"{args.network}: {what}")
     torch.manual_seed(0)
-    image = torch.randn(args.batch, 3, 32, 32)
+    image = torch.randn(args.batch, 3, 32, 32, requires_grad=True)  # as speed.py times them
     layers = replaced_layers(dense, tensorized, image)
-    runs = [step(dense, image), step(tensorized, image)]
+    runs = [fwd_bwd(dense, image), fwd_bwd(tensorized, image)]
     for _, old, new, shape in layers:
         x = torch.randn(shape, requires_grad=True)
-        runs += [step(old, x), step(new, x)]
+        runs += [fwd_bwd(old, x), fwd_bwd(new, x)]
     for run in runs:
         run()
     times = [statistics.median(t) * 1e3 for t in interleaved(runs, args.rounds)]
