@@ -155,10 +155,8 @@ def tensorize(model: nn.Module, format: str = "tucker2", *, rank: int | float = 
             "a format's options are " + ", ".join(_FORMAT_OPTIONS)
         raise TypeError(f"tensorize() got an unexpected keyword argument {unknown[0]!r}; "
                         f"{where}")
-    if options.get("rank_multiple", 1) != 1 and error is None and not isinstance(rank, float):
-        raise SpecError(f"rank_multiple={options['rank_multiple']!r} with rank={rank!r}",
-                        hint="rank_multiple rounds the rank of a share: give rank=0.25 (a "
-                        "float), or an int rank that is the multiple itself")
+    if error is None:  # else each layer's share is chosen by its fit
+        formats.check_rank_multiple(rank, options.get("rank_multiple", 1))
     before = sum(p.numel() for p in model.parameters())
     following = following_activations(model)
     left_alone = {**_read_directly(model), **_tied(model)}  # {layer name: why}

@@ -217,10 +217,7 @@ def build(format: str, in_channels: int, out_channels: int, kernel_size: IntOrTu
             raise SpecError(f"a fractional rank is a share of the dense parameters, got {rank}",
                             hint="give a float in (0, 1] or an int")
         return _fit(lambda r: make([r] * free), rank * dense, rank_multiple)
-    if rank_multiple != 1:
-        raise SpecError(f"rank_multiple={rank_multiple} with rank={rank!r}",
-                        hint="rank_multiple rounds the rank of a share (a float rank); with an "
-                        "int rank, give the multiple itself")
+    check_rank_multiple(rank, rank_multiple)
     rank_sizes = [rank] * free if isinstance(rank, int) else list(rank)
     if free and (len(rank_sizes) != free or
                  any(positive_int(r) is None for r in rank_sizes)):
@@ -233,6 +230,15 @@ def build(format: str, in_channels: int, out_channels: int, kernel_size: IntOrTu
                       f"{dense:,} of the dense layer it stands for; a float rank such as "
                       "rank=0.25 gives a share of the dense parameters", stacklevel=3)
     return fmt
+
+
+def check_rank_multiple(rank: Rank, rank_multiple: int) -> None:
+    """Raise :class:`SpecError` where ``rank_multiple`` has nothing to round: it rounds the
+    rank of a share (a float ``rank``), not a rank given as an int or a tuple."""
+    if rank_multiple != 1 and not isinstance(rank, float):
+        raise SpecError(f"rank_multiple={rank_multiple!r} with rank={rank!r}",
+                        hint="rank_multiple rounds the rank of a share: give rank=0.25 (a "
+                        "float), or an int rank that is the multiple itself")
 
 
 def _fit(make: Callable[[int], Format], budget: float, multiple: int = 1) -> Format:
