@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
+from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import fwd_bwd, interleaved, machine, steady_malloc  # noqa: E402
@@ -32,15 +32,6 @@ RANKS = (16, 24, 25, 32, 40, 48, 51, 56, 64)
 # (in, out channels, input side, stride) of the ResNet-18-like network's distinct 3x3 convs
 LAYERS = ((64, 64, 32, 1), (64, 128, 32, 2), (128, 128, 16, 1), (128, 256, 16, 2),
           (256, 256, 8, 1), (256, 512, 8, 2), (512, 512, 4, 1))
-
-
-class Conv(torch.nn.Module):
-    def __init__(self, r: int) -> None:
-        super().__init__()
-        self.weight = torch.nn.Parameter(torch.randn(r, r, 3, 3) / (3 * r ** 0.5))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.conv2d(x, self.weight, padding=1)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -54,7 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     print(steady_malloc(keep=not args.system_malloc))
     print(f"CPU capability: {torch.backends.cpu.get_cpu_capability()}")
     torch.manual_seed(0)
-    runs = [fwd_bwd(Conv(r), torch.randn(32, r, 32, 32, requires_grad=True)) for r in RANKS]
+    runs = [fwd_bwd(nn.Conv2d(r, r, 3, padding=1, bias=False),
+                    torch.randn(32, r, 32, 32, requires_grad=True)) for r in RANKS]
     times = [statistics.median(t) for t in interleaved(runs, rounds)]
     print(f"\n3x3 conv r -> r, batch 32, 32x32, fwd+bwd, median of {rounds} interleaved rounds")
     print("| r | ms | x r=64 | FLOPs x r=64 |\n|---:|---:|---:|---:|")

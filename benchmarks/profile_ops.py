@@ -220,12 +220,10 @@ def main(argv: list[str] | None = None) -> int:
             modules["tnspec dense-first"] = tnspec.layer(fmt.spec, planner="dense-first",
                                                          autotune=False, **fmt.sizes)
             modules["dense conv"] = nn.Conv2d(96, 96, 3, args.stride, 1, bias=False)
-            if args.channels_last:  # where the default keeps the model's order; the library
+            if args.channels_last:  # where the default keeps the model's order
                 modules["tnspec model's order"] = tnspec.layer(fmt.spec, autotune=False,
                                                                **fmt.sizes)
-                if library in fmt.anchors:
-                    modules[library] = fmt.anchors[library]()
-        elif library in fmt.anchors:
+        if (not args.dense or args.channels_last) and library in fmt.anchors:
             modules[library] = fmt.anchors[library]()
         if args.channels_last:
             for module in modules.values():
