@@ -355,7 +355,8 @@ def main(argv: list[str] | None = None) -> int:
         if name == "resnet18":
             # ranks rounded down to a multiple of 16 within the same share: mkldnn pads a
             # conv's channels to 16 on AVX-512, so Tucker-2's 51-channel core costs what 64
-            # cost (MobileNetV2's low-rank 1x1s run as matmuls and gained 3% in one check)
+            # cost (MobileNetV2's low-rank 1x1s run as matmuls: 0.95x against 0.96x, see
+            # network_layers.py --rank-multiple 16)
             dense, tensorized, what = models.pair(name, rank_multiple=16)
             print(f"\n{name}: {what}")
             run(f"{name}-like b={batches[0]} ranks x16", [], dense, image, steps, args.smoke,
