@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from tnspec import calibration, measure
-from tnspec.autotune import Timing
-from tnspec.cost import CostModel
-from tnspec.measure import Sample
+from tnspec.planning import calibration, measure
+from tnspec.nn.autotune import Timing
+from tnspec.planning.cost import CostModel
+from tnspec.planning.measure import Sample
 
 # Plans must not depend on the machine the suite runs on: calibration is off (the built-in
 # constants) unless a test turns it on, and no test writes to the user's cache directory.

@@ -1,5 +1,6 @@
-"""The pipeline imports one way: no cycle among tnspec's modules, the IR imports no stage, and
-``import tnspec`` loads neither dynamo nor any interpreter of programs."""
+"""The package is grouped by stage and imports one way: no module imports a later stage, no cycle,
+no module over ~400 lines, a short top level, and ``import tnspec`` loads neither dynamo nor any
+interpreter of programs."""
 
 from __future__ import annotations
 
@@ -8,29 +9,110 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 PACKAGE = Path(__file__).resolve().parent.parent / "tnspec"
 
+#: the stages in import order: a module may import its own stage and the ones before it
+STAGES = ("language", "analysis", "fit", "planning", "emit", "nn", "workflows")
+#: the top level: the plain data passed between stages sit below every stage, the entry points
+#: (the command line, the package itself) above every stage
+DATA = frozenset({"ir", "program", "shapes", "errors", "progress", "_version"})
+ENTRY = frozenset({"cli", "__init__", "__main__"})
+MAX_LINES = 400
 
-def imports() -> dict[str, set[str]]:
-    """Module -> the tnspec modules it imports, function-level imports included."""
-    graph: dict[str, set[str]] = {}
-    for path in PACKAGE.glob("*.py"):
-        deps: set[str] = set()
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.level == 1:
-                deps |= {node.module.split(".")[0]} if node.module else \
-                    {a.name for a in node.names}
-            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("tnspec"):
-                deps.add(node.module.split(".")[1] if "." in node.module else "__init__")
+
+def module_name(path: Path) -> str:
+    """``language.parse`` for tnspec/language/parse.py, ``ir`` for tnspec/ir.py."""
+    parts = path.relative_to(PACKAGE).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" and len(parts) > 1 else parts)
+
+
+def resolve(importer: str, is_package: bool, node: ast.ImportFrom) -> list[str]:
+    """The tnspec modules a ``from ... import`` names (module names as :func:`module_name`)."""
+    if node.level == 0:
+        if not (node.module or "").startswith("tnspec"):
+            return []
+        base = node.module.split(".")[1:]
+    else:
+        here = importer.split(".") if importer not in ("__init__", "__main__") else []
+        package = here if is_package else here[:-1]
+        base = package[:len(package) - (node.level - 1)] + \
+            (node.module.split(".") if node.module else [])
+    if not base:  # ``from tnspec import X`` / ``from . import X`` at the top
+        return [a.name for a in node.names]
+    target = ".".join(base)
+    if target in STAGES:  # ``from .nn import formats``: submodules of a stage package
+        return [f"{target}.{a.name}" for a in node.names]
+    return [target]
+
+
+def imports(typing: bool = True) -> dict[str, dict[str, int]]:
+    """Module -> {tnspec module it imports: line}, function-level imports included, and those
+    under ``if TYPE_CHECKING:`` unless ``typing`` is False."""
+    graph: dict[str, dict[str, int]] = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        name = module_name(path)
+        deps: dict[str, int] = {}
+        tree = ast.parse(path.read_text())
+        typed = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If) and
+                 ast.unparse(block.test) == "TYPE_CHECKING" for n in ast.walk(block)}
+        for node in ast.walk(tree):
+            if not typing and id(node) in typed:
+                continue
+            if isinstance(node, ast.ImportFrom):
+                for dep in resolve(name, path.name == "__init__.py", node):
+                    deps.setdefault(dep, node.lineno)
             elif isinstance(node, ast.Import):
-                deps |= {a.name.split(".")[1] for a in node.names
-                         if a.name.startswith("tnspec.")}
-        graph[path.stem] = deps
+                for a in node.names:
+                    if a.name.startswith("tnspec."):
+                        deps.setdefault(a.name.split(".", 1)[1], node.lineno)
+        deps.pop(name, None)
+        graph[name] = deps
     return graph
 
 
+def rank(module: str) -> int:
+    """Where a module sits: the data 0, stages 1-7 in order, the entry points last."""
+    head = module.split(".")[0]
+    if head in STAGES:
+        return 1 + STAGES.index(head)
+    if head in DATA:
+        return 0
+    assert head in ENTRY, f"tnspec/{head}.py belongs to no stage: add it to a stage package"
+    return len(STAGES) + 1
+
+
+def later_stage_imports(graph: dict[str, dict[str, int]]) -> list[str]:
+    """Each import of a later stage, as ``tnspec/a/b.py:LINE imports tnspec.c.d (...)``."""
+    bad = []
+    for module, deps in graph.items():
+        for dep, line in sorted(deps.items()):
+            if rank(dep) > rank(module):
+                where = module.replace(".", "/") + (".py" if module not in STAGES else
+                                                    "/__init__.py")
+                bad.append(f"tnspec/{where}:{line} imports tnspec.{dep}, a later stage "
+                           f"({dep.split('.')[0]} comes after {module.split('.')[0]})")
+    return bad
+
+
 def test_no_module_imports_a_later_stage():
+    assert later_stage_imports(imports()) == []
+
+
+def test_the_stage_check_names_a_reversed_import():
+    """The check itself: an import of nn from planning is caught and named."""
     graph = imports()
+    graph["planning.plan"] = {**graph["planning.plan"], "nn.module": 7}
+    graph["ir"] = {**graph["ir"], "language.parse": 3}
+    assert later_stage_imports(graph) == [
+        "tnspec/ir.py:3 imports tnspec.language.parse, a later stage (language comes after ir)",
+        "tnspec/planning/plan.py:7 imports tnspec.nn.module, a later stage (nn comes after "
+        "planning)"]
+
+
+def test_no_import_cycle():
+    graph = imports(typing=False)  # a type-only import of a module that imports this one is fine
     state: dict[str, int] = {}
 
     def visit(mod: str, trail: list[str]) -> None:
@@ -45,42 +127,73 @@ def test_no_module_imports_a_later_stage():
         visit(mod, [])
 
 
-def test_stages_import_only_what_lies_above_them():
+def test_every_import_names_a_module_that_exists():
     graph = imports()
+    missing = {f"{m} -> {d}" for m, deps in graph.items() for d in deps if d not in graph}
+    assert not missing
+
+
+def test_layout_short_top_level_and_small_modules():
+    top = sorted(p.stem for p in PACKAGE.glob("*.py"))
+    assert set(top) == DATA | ENTRY, top
+    assert len(top) <= 10
+    assert sorted(p.name for p in PACKAGE.iterdir() if p.is_dir() and
+                  (p / "__init__.py").exists()) == sorted(STAGES)
+    long = {str(p.relative_to(PACKAGE)): n for p in PACKAGE.rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert not long, f"modules over {MAX_LINES} lines: split them along a seam: {long}"
+
+
+def test_stages_import_only_what_they_need():
+    """Finer than the stage order: the data model imports no stage, and modules that are plain
+    data or a file stay free of the machinery around them."""
+    graph = {m: set(d) for m, d in imports().items()}
     assert graph["ir"] == set()
+    assert graph["errors"] == set()
     assert graph["shapes"] <= {"ir", "errors"}
-    assert graph["backward"] <= {"ir"}
-    assert graph["problem"] <= {"ir", "cost"}
-    assert graph["paths"] <= {"ir", "errors", "problem"}
+    assert graph["program"] <= {"ir", "shapes"}
+    assert graph["analysis.backward"] <= {"ir"}
+    assert graph["planning.problem"] <= {"ir", "planning.cost"}
+    assert graph["planning.paths"] <= {"ir", "errors", "planning.problem"}
     # an index input is planned and lowered by lookup, which plan and lower hand it to
-    assert graph["plan"] <= {"ir", "errors", "cost", "shapes", "problem", "paths", "lookup"}
-    assert graph["lookup"] <= {"ir", "errors", "cost", "shapes", "program"}  # no Lark
-    assert graph["shapes"] <= {"ir", "errors"}
-    assert graph["products"] <= {"plan", "program", "shapes"}  # a part of lower
-    assert graph["measure"] <= {"cost"}
-    assert graph["calibration"] <= {"cache", "choices", "cost", "measure", "progress"}
-    assert graph["choices"] == set()  # plain text about cached entries
-    assert graph["cache"] == set()  # the file alone: no model, no torch
+    assert graph["planning.plan"] <= {"ir", "errors", "shapes", "planning.cost",
+                                      "planning.problem", "planning.paths", "planning.lookup"}
+    assert graph["planning.lookup"] <= {"ir", "errors", "shapes", "program",
+                                        "planning.cost"}  # no Lark
+    assert graph["emit.products"] <= {"program", "shapes", "planning.plan"}  # a part of lower
+    assert graph["planning.measure"] <= {"planning.cost"}
+    assert graph["planning.calibration"] <= {"progress", "planning.cache", "planning.choices",
+                                             "planning.cost", "planning.measure"}
+    assert graph["planning.choices"] == set()  # plain text about cached entries
+    assert graph["planning.cache"] == set()  # the file alone: no model, no torch
     # workflows above Layer: adapters build layers through the API, they plan nothing
-    assert graph["adapters"] <= {"api", "convert", "decompose", "dense", "errors", "formats",
-                                 "init", "ir", "module", "parse", "shapes"}
-    assert graph["adapter_state"] <= {"adapters", "api", "dense", "errors"}
-    assert graph["peft_bridge"] <= {"adapters"}
-    assert graph["moments"] <= {"errors"}
-    assert graph["observe"] <= {"errors", "moments"}
-    assert graph["embedding"] <= {"api", "errors", "formats", "settings"}
+    assert not {d for d in graph["workflows.adapters"] if d.startswith(("planning.", "emit."))}
+    assert graph["workflows.adapter_state"] <= {"errors", "nn.api", "workflows.adapters",
+                                                "workflows.merge"}
+    assert graph["workflows.peft_bridge"] <= {"workflows.adapters"}
+    assert graph["fit.moments"] <= {"errors"}
+    assert graph["workflows.observe"] <= {"errors", "fit.moments"}
+    assert graph["nn.embedding"] <= {"errors", "language.settings", "nn.api", "nn.formats"}
     # the model's memory format: measured as the layers' own orders are, no pipeline stage
-    assert graph["layout"] <= {"autotune", "calibration", "errors"}
-    assert graph["compress"] <= {"convert", "dense", "errors", "module", "observe", "progress"}
+    assert graph["nn.layout"] <= {"errors", "planning.calibration", "nn.autotune"}
+    assert graph["workflows.compress"] <= {"errors", "progress", "nn.module",
+                                           "workflows.tensorize", "workflows.merge",
+                                           "workflows.observe"}
     assert "__init__" not in set().union(*(d for m, d in graph.items() if m != "__main__"))
 
 
-def test_import_loads_no_dynamo_and_readme_layout_lists_every_module():
+@pytest.mark.parametrize("stage", STAGES)
+def test_stage_packages_import_nothing(stage):
+    """A stage's ``__init__`` is its description only: importing one stage loads no other."""
+    assert imports()[stage] == {}
+
+
+def test_import_loads_no_dynamo_and_architecture_lists_every_module():
     code = "import sys, tnspec; print('torch._dynamo' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=300)
     assert out.stdout.strip() == "False", out.stderr
-    readme = (PACKAGE.parent / "README.md").read_text()
-    for path in PACKAGE.glob("*.py"):
+    doc = (PACKAGE.parent / "docs" / "architecture.md").read_text()
+    for path in PACKAGE.rglob("*.py"):
         if path.stem not in ("__init__", "__main__", "_version"):
-            assert f"tnspec/{path.name}" in readme, path.name
+            assert f"`{path.relative_to(PACKAGE).as_posix()}`" in doc, path

@@ -16,13 +16,13 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from ._version import __version__
-from . import calibration, choices
-from .api import compile, compile_all, generate
-from .report import explain
-from .shapes import example_shape
-from .draw import RENDERED, render, to_dot
 from .errors import SpecError
-from .settings import option_value
+from .shapes import example_shape
+from .language.settings import option_value
+from .planning import calibration, choices
+from .planning.report import explain
+from .emit.draw import RENDERED, render, to_dot
+from .nn.api import compile, compile_all, generate
 
 EXIT_OK, EXIT_FAILURE, EXIT_SPEC = 0, 1, 2
 

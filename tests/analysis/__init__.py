@@ -1,0 +1,1 @@
+"""Tests of the analysis stage: Graph-in/out initialization and the reproducing transformation."""

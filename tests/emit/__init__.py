@@ -1,0 +1,1 @@
+"""Tests of emission: lowering, the generated source, and the one executor."""

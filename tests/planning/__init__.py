@@ -1,0 +1,1 @@
+"""Tests of planning: contraction orders, the cost model and its calibration."""

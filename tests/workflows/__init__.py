@@ -1,0 +1,1 @@
+"""Tests of the workflows on existing models: tensorize, compress, adapters."""

@@ -1,0 +1,305 @@
+"""Adapters (``tnspec.adapt``): exact at init over every geometry ``nn.ConvNd`` accepts, only
+adapter parameters train, exact merge, state on its own, named adapters, the init rule."""
+
+from __future__ import annotations
+
+import copy
+import io
+import math
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import tnspec
+from experiments.adapters import GEOMETRIES
+
+FORMATS = ("low_rank", "cp", "tucker2", "tt", "tr")
+
+
+def _adapted(geometry: str, fmt: str, rank: int = 2, seed: int = 0):
+    make, shape = GEOMETRIES[geometry]
+    torch.manual_seed(seed)
+    base = make()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a tt of 4 channels as (2, 2) modes at rank 2 is tiny
+        model, report = tnspec.adapt(nn.Sequential(copy.deepcopy(base)), fmt, rank=rank)
+    assert not report.skipped, report.skipped
+    return base, model, shape
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("geometry", sorted(GEOMETRIES))
+def test_adapted_equals_base_bit_for_bit_at_init_and_merges_exactly(geometry, fmt):
+    base, model, shape = _adapted(geometry, fmt)
+    x = torch.randn(shape)
+    assert isinstance(model[0], tnspec.Adapted)
+    assert torch.equal(model(x), base(x))
+    assert torch.equal(model(x[0]), base(x[0]))  # unbatched input, as nn.ConvNd takes it
+    with torch.no_grad():  # the adapter away from zero: every core random
+        for p in model[0].adapters.parameters():
+            p.copy_(torch.randn_like(p) * 0.3)
+    y = model(x)
+    assert not torch.allclose(y, base(x))
+    merged = tnspec.merge_adapters(model)
+    assert type(merged[0]) is type(base)
+    for key in ("stride", "padding", "dilation", "groups", "padding_mode"):
+        assert getattr(merged[0], key, None) == getattr(base, key, None)
+    assert (merged(x) - y).norm() <= 1e-5 * y.norm()
+    assert torch.equal(model[0].base.weight, base.weight)  # merge worked on a copy
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_an_optimizer_step_changes_only_adapter_parameters_and_every_core_learns_by_step_2(fmt):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(4, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+                          nn.Conv2d(8, 8, 3, stride=2, padding=1, padding_mode="reflect"),
+                          nn.Flatten(), nn.LayerNorm(8 * 9), nn.Linear(8 * 9, 5))
+    model, report = tnspec.adapt(model, fmt, rank=2)
+    assert len(report.adapted) == 3
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all(".adapters.default." in n for n in trainable)
+    opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    x, target = torch.randn(6, 4, 5, 5), torch.randint(0, 5, (6,))
+    grads = []
+    for _ in range(2):
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), target).backward()
+        grads.append({n: p.grad.abs().sum().item() for n, p in model.named_parameters()
+                      if p.requires_grad})
+        opt.step()
+    for n, p in model.named_parameters():
+        assert torch.equal(p, before[n]) != (n in trainable), n
+    zeroed = {f"{a.name}.adapters.default.{a.zeroed}" for a in report.adapted}
+    assert {n for n, g in grads[0].items() if g > 0} == zeroed  # step 1: the zero core alone
+    assert all(g > 0 for g in grads[1].values())  # step 2: every core
+
+
+def _update_size(fmt: str, rank: float, layer: nn.Module, x: torch.Tensor, scaled: bool) -> float:
+    """The adapter's output std after 5 Adam steps (lr 1e-3), relative to the base's."""
+    torch.manual_seed(1)
+    model, _ = tnspec.adapt(copy.deepcopy(layer), fmt, rank=rank)
+    if not scaled:
+        model.scaling["default"] = 1.0
+    target = layer(x).detach() + 0.3 * torch.randn_like(layer(x))
+    opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    for _ in range(5):
+        opt.zero_grad()
+        (model(x) - target).pow(2).mean().backward()
+        opt.step()
+    with torch.no_grad():
+        return ((model(x) - layer(x)).std() / layer(x).std()).item()
+
+
+@pytest.mark.parametrize("kind", ["linear", "conv"])
+def test_the_first_steps_move_the_output_alike_whatever_the_rank_and_format(kind):
+    torch.manual_seed(0)
+    layer = nn.Linear(256, 256) if kind == "linear" else nn.Conv2d(32, 32, 3, padding=1)
+    x = torch.randn(512, 256) if kind == "linear" else torch.randn(16, 32, 12, 12)
+    shares = (0.02, 0.08, 0.25) if kind == "linear" else (0.05, 0.1, 0.3)
+    cases = [(f, r) for f in FORMATS for r in shares]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        sizes = [_update_size(f, r, layer, x, True) for f, r in cases]
+        raw = [_update_size(f, r, layer, x, False) for f, r in cases]
+    spread, spread_raw = max(sizes) / min(sizes), max(raw) / min(raw)
+    # within 1.6x of each other; without the zero core's scaling, spread out twice as far
+    assert spread < 1.6 and spread_raw > 2 * spread, (dict(zip(cases, sizes)),
+                                                      dict(zip(cases, raw)))
+
+
+def test_the_adapter_reaches_scale_times_the_base_variance_at_the_zero_cores_graph_in_scale():
+    torch.manual_seed(0)
+    base = nn.Conv2d(32, 48, 3, padding=1)
+    x = torch.randn(64, 32, 10, 10)
+    for fmt in FORMATS:
+        ratios = []
+        for seed in range(12):
+            torch.manual_seed(seed)
+            model, report = tnspec.adapt(copy.deepcopy(base), fmt, rank=0.1, scale=0.25)
+            zeroed = getattr(model.adapters["default"], report.adapted[0].zeroed)
+            with torch.no_grad():  # in units of its Graph-in std: std 1
+                zeroed.normal_()
+                delta = model(x) - base(x)
+                plain = nn.functional.conv2d(x, base.weight, padding=1)
+            ratios.append((delta.var() / plain.var()).item())
+        assert 0.25 * 0.75 < sum(ratios) / len(ratios) < 0.25 * 1.25, (fmt, ratios)
+
+
+def test_state_dict_holds_only_adapters_and_reloads_onto_a_fresh_model():
+    torch.manual_seed(0)
+    fresh = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1, padding_mode="circular"), nn.ReLU(),
+                          nn.Flatten(), nn.Linear(8 * 36, 4))
+    model, _ = tnspec.adapt(copy.deepcopy(fresh), "tr", rank=3)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.normal_()
+    state = tnspec.adapter_state_dict(model)
+    tensors = [t for layer in state["layers"].values() for a in layer["adapters"].values()
+               for t in a["cores"].values()]
+    adapter_params = [p for n, p in model.named_parameters() if ".adapters." in n]
+    assert sum(t.numel() for t in tensors) == sum(p.numel() for p in adapter_params)
+    base_ptrs = {p.data_ptr() for n, p in model.named_parameters() if ".adapters." not in n}
+    assert not base_ptrs & {t.data_ptr() for t in tensors}
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    loaded = tnspec.load_adapters(copy.deepcopy(fresh),
+                                  torch.load(buffer, weights_only=True))
+    x = torch.randn(2, 3, 6, 6)
+    # equal up to float32 rounding: see test_peft_runs_tnspec_adapters_through_its_own_api
+    torch.testing.assert_close(loaded(x), model(x), rtol=1e-6, atol=1e-7)
+    trained, reloaded = model.state_dict(), loaded.state_dict()
+    assert trained.keys() == reloaded.keys()
+    assert all(torch.equal(reloaded[k], v) for k, v in trained.items())
+    assert {n for n, p in loaded.named_parameters() if p.requires_grad} == \
+        {n for n, p in model.named_parameters() if p.requires_grad}
+
+
+def test_named_adapters_switch_disable_and_merge_by_name():
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
+    x = torch.randn(3, 16)
+    ref = base(x)
+    model, _ = tnspec.adapt(copy.deepcopy(base), "low_rank", rank=2, name="a")
+    model, report = tnspec.adapt(model, "tt", rank=2, name="b")
+    assert report.adapter == "b" and model[0].active == "b"
+    with torch.no_grad():
+        for layer in (model[0], model[2]):
+            for p in layer.adapters.parameters():
+                p.normal_()
+    out = {}
+    for name in ("a", "b"):
+        tnspec.set_adapter(model, name)
+        trainable = {n.split(".adapters.")[1].split(".")[0]
+                     for n, p in model.named_parameters() if p.requires_grad}
+        assert trainable == {name}
+        out[name] = model(x)
+    assert not torch.allclose(out["a"], out["b"])
+    with tnspec.disable_adapters(model):
+        assert torch.equal(model(x), ref)
+    assert torch.equal(model(x), out["b"])
+    merged = tnspec.merge_adapters(model, "a")
+    assert torch.allclose(merged(x), out["a"], rtol=1e-5, atol=1e-6)
+    with pytest.raises(tnspec.SpecError, match="no layer has an adapter named 'c'"):
+        tnspec.set_adapter(model, "c")
+    with pytest.raises(tnspec.SpecError, match="no layer has an adapter named 'c'"):
+        tnspec.merge_adapters(model, "c")
+    _, again = tnspec.adapt(model, "cp", name="a")
+    assert not again.adapted and "adapter named 'a' already" in again.skipped[0][1]
+
+
+def test_merge_in_place_and_a_bare_layer():
+    torch.manual_seed(0)
+    conv = nn.Conv2d(4, 4, 3)
+    adapted, _ = tnspec.adapt(conv, "tucker2", rank=2)
+    assert isinstance(adapted, tnspec.Adapted) and adapted.base is conv
+    with torch.no_grad():
+        adapted.adapters["default"].V.normal_()
+    x = torch.randn(1, 4, 5, 5)
+    y = adapted(x)
+    merged = tnspec.merge_adapters(adapted, inplace=True)
+    assert merged is conv and torch.allclose(conv(x), y, rtol=1e-5, atol=1e-6)
+
+
+def test_a_spec_string_takes_its_channel_and_kernel_sizes_from_each_layer():
+    spec = "x[b, c, h+kh, w+kw], U[c, r], V[r, kh, kw, o] -> y[b, o, h, w]"  # no padding
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.Conv2d(8, 8, 5, padding="same",
+                                                                   padding_mode="reflect"),
+                          nn.Conv2d(8, 8, 3, stride=2), nn.Flatten(), nn.LazyLinear(2))
+    x = torch.randn(2, 3, 9, 9)
+    model(x)
+    ref = model(x)
+    model, report = tnspec.adapt(model, spec, sizes={"r": 2}, include=["0", "1", "2"])
+    assert [a.name for a in report.adapted] == ["0", "1"]
+    assert report.skipped == (("2", "the adapter's geometry differs from the layer's: stride "
+                               "(1, 1) where the layer has (2, 2)"),)
+    assert torch.equal(model(x), ref)
+    assert report.adapted[0].params == 3 * 2 + 2 * 9 * 8
+    assert report.adapted[1].params == 8 * 2 + 2 * 25 * 8
+    _, report = tnspec.adapt(nn.Conv2d(3, 8, 5, padding=2),
+                             spec.replace("h+kh", "h+kh-1").replace("w+kw", "w+kw-1"),
+                             sizes={"r": 2})
+    assert report.skipped[0][1] == "the adapter pads (1, 1), the layer (2, 2) (zeros)"
+
+
+def test_shared_layers_get_one_adapter_and_float_ranks_are_shares():
+    shared = nn.Linear(64, 64)
+    model = nn.Sequential(shared, nn.ReLU(), shared)
+    model, report = tnspec.adapt(model, "cp", rank=0.05)
+    assert model[0] is model[2] and isinstance(model[0], tnspec.Adapted)
+    assert len(report.adapted) == 1 and report.adapted[0].params <= 0.05 * 64 * 64
+    assert f"{report.trainable:,} of {report.total:,} parameters train" in str(report)
+
+
+def test_the_adapt_docstring_example_runs():
+    import doctest
+    from tnspec.workflows import adapters
+    result = doctest.testmod(adapters, extraglobs={"nn": nn})
+    assert result.failed == 0 and result.attempted >= 3
+
+
+def test_bad_arguments_are_clear_errors():
+    conv = nn.Conv2d(4, 4, 3)
+    with pytest.raises(tnspec.SpecError, match="scale=0 must be a positive number"):
+        tnspec.adapt(conv, scale=0)
+    with pytest.raises(tnspec.SpecError, match="adapter name 'a b' must be a Python identifier"):
+        tnspec.adapt(conv, name="a b")
+    _, report = tnspec.adapt(nn.Conv2d(4, 4, 3), "tucker2", zero="Q")
+    assert "zero='Q' is not a core" in report.skipped[0][1]
+    _, report = tnspec.adapt(nn.Linear(4, 4), "x[b, i], W[i, o] -> y[b, o]", rank=3)
+    assert "rank= and format options go with a format name" in report.skipped[0][1]
+    with pytest.raises(tnspec.SpecError, match="not an adapter state"):
+        tnspec.load_adapters(conv, {"layers": {}})
+    model, _ = tnspec.adapt(nn.Sequential(nn.Linear(4, 4)), "cp", rank=2)
+    state = tnspec.adapter_state_dict(model)
+    with pytest.raises(tnspec.SpecError, match="no layer '0' to put an adapter on"):
+        tnspec.load_adapters(nn.Sequential(), state)
+    with pytest.raises(tnspec.SpecError, match="in_features 4 where the layer has 5"):
+        tnspec.load_adapters(nn.Sequential(nn.Linear(5, 4)), state)
+
+
+def test_a_zero_weight_still_gives_a_scaled_adapter():
+    conv = nn.Conv2d(4, 4, 3)
+    with torch.no_grad():
+        conv.weight.zero_()
+    model, report = tnspec.adapt(conv, "low_rank", rank=2)
+    assert "the base weight is zero" in report.adapted[0].note
+    assert math.isfinite(model.scaling["default"]) and model.scaling["default"] > 0
+
+
+def test_peft_runs_tnspec_adapters_through_its_own_api(tmp_path):
+    peft = pytest.importorskip("peft", reason="the PEFT integration needs peft")
+    from tnspec.workflows.peft_bridge import register_peft
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Conv2d(4, 8, 3, padding=1, padding_mode="reflect"), nn.ReLU(),
+                         nn.Flatten(), nn.Linear(8 * 36, 6))
+    fresh = copy.deepcopy(base)
+    x = torch.randn(2, 4, 6, 6)
+    ref = base(x)
+    config = register_peft(peft.LoraConfig(r=2, target_modules=["0", "3"]), "tr")
+    model = peft.get_peft_model(base, config)
+    assert torch.equal(model(x), ref)
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all(".lora_tn.default." in n for n in trainable)
+    opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    for _ in range(3):
+        opt.zero_grad()
+        model(x).pow(2).mean().backward()
+        opt.step()
+    y = model(x)
+    assert not torch.allclose(y, ref)
+    with model.disable_adapter():
+        assert torch.equal(model(x), ref)
+    model.save_pretrained(tmp_path)
+    loaded = peft.PeftModel.from_pretrained(copy.deepcopy(fresh), tmp_path, config=config)
+    # the same weights at other addresses: MKL's float32 GEMM may round differently with the
+    # operands' alignment (an nn.Linear alone differs in the last bit on an AMD EPYC), so
+    # equal up to float32 rounding, not bit for bit
+    torch.testing.assert_close(loaded(x), y, rtol=1e-6, atol=1e-7)
+    merged = model.merge_and_unload()
+    assert type(merged[0]) is nn.Conv2d and merged[0].padding_mode == "reflect"
+    assert (merged(x) - y).norm() <= 1e-5 * y.norm()

@@ -1,0 +1,216 @@
+"""Data-aware fitting (``Layer.fit_(weight, inputs=X)``, ``tnspec.moments``) and
+``tnspec.compress``: the budget, the allocation, latency mode, interruption."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import tnspec
+from tnspec import formats
+from tnspec.fit import moments
+from tnspec.workflows.compress import _allocate
+
+FAST = {"max_iter": 20, "max_seconds": 10}
+
+
+def _dense_out(layer, x, weight):
+    if weight.dim() == 2:
+        return x @ weight.T
+    conv = (F.conv1d, F.conv2d, F.conv3d)[weight.dim() - 3]
+    return conv(x, weight, None, layer.stride, layer.padding, layer.dilation, layer.groups)
+
+
+@pytest.mark.parametrize("fmt, kernel", [("tt", 3), ("tr", ()), ("tucker2", 3)])
+def test_fit_to_inputs_recovers_an_exactly_representable_weight(fmt, kernel):
+    torch.manual_seed(0)
+    make = getattr(formats, fmt)
+    spec = make(16, 16, kernel, rank=3, **({"padding": 1} if kernel else {}))
+    weight = spec.layer().dense_weight().detach()
+    shape = (8, 16, 6, 6) if kernel else (64, 16)
+    scale = torch.logspace(0, -2, 16).view(1, 16, *([1] * (len(shape) - 2)))
+    layer = spec.layer()
+    assert layer.fit_(weight, inputs=torch.randn(shape) * scale) < 1e-4
+    assert tnspec.fit.decompose.relative_error(layer.dense_weight(), weight) < 1e-4
+
+
+CASES = {
+    "linear": (lambda: nn.Linear(64, 48), lambda: formats.tucker2(64, 48, (), rank=0.2),
+               (2000, 64)),
+    "conv-stride-dilation": (
+        lambda: nn.Conv2d(16, 16, 3, stride=2, padding=1, dilation=2),
+        lambda: formats.tucker2(16, 16, 3, rank=0.15, stride=2, padding=1, dilation=2),
+        (64, 16, 12, 12)),
+    "conv-groups": (
+        lambda: nn.Conv2d(16, 16, 3, padding=1, groups=2),
+        lambda: formats.cp(16, 16, 3, rank=0.2, padding=1, groups=2), (64, 16, 10, 10)),
+    "conv1d-tt": (lambda: nn.Conv1d(16, 16, 3, padding=1),
+                  lambda: formats.tt(16, 16, (3,), rank=0.2, padding=1), (64, 16, 20)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_fit_to_inputs_beats_the_weight_fit_on_held_out_outputs(case):
+    make_dense, make_format, shape = CASES[case]
+    torch.manual_seed(0)
+    dense = make_dense()
+    weight = dense.weight.detach()
+    # a strongly anisotropic second moment: channel scales over three decades
+    scale = torch.logspace(0, -3, shape[1]).view(1, shape[1], *([1] * (len(shape) - 2)))
+    if len(shape) == 2:
+        scale = torch.logspace(0, -3, shape[1])
+    train, held_out = torch.randn(shape) * scale, torch.randn(shape) * scale
+    errors = []
+    for inputs in (None, train):
+        layer = make_format().layer()
+        layer.fit_(weight, inputs=inputs)
+        with torch.no_grad():
+            y = _dense_out(layer, held_out, weight)
+            errors.append(((_dense_out(layer, held_out, layer.dense_weight()) - y).norm()
+                           / y.norm()).item())
+    assert errors[1] < 0.9 * errors[0], errors
+
+
+def test_the_metric_is_the_second_moment_of_the_patches_the_conv_reads():
+    torch.manual_seed(0)
+    conv = nn.Conv2d(4, 6, (3, 2), stride=(2, 1), padding=(1, 0), dilation=(1, 2), groups=2)
+    x = torch.randn(3, 4, 9, 8)
+    rows = moments.patches(x, conv.kernel_size, conv.stride, conv.padding, conv.dilation)
+    unfolded = F.unfold(x, conv.kernel_size, conv.dilation, conv.padding, conv.stride)
+    assert torch.allclose(rows, unfolded.transpose(1, 2).reshape(-1, 4 * 6))
+    metric = moments.factor(rows, 2)
+    per = rows.shape[1] // 2
+    for g in range(2):
+        block = rows[:, g * per:(g + 1) * per].double()
+        assert torch.allclose(metric[g] @ metric[g].T, block.T @ block / len(block), atol=1e-9)
+    layer = formats.cp(4, 6, 3, rank=2).layer()
+    with pytest.raises(tnspec.SpecError, match=r"inputs of shape \(3, 5, 9, 8\) are not"):
+        layer.fit_(layer.dense_weight().detach(), inputs=torch.randn(3, 5, 9, 8))
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(),
+                         nn.Conv2d(16, 24, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+                         nn.Conv2d(24, 24, 3, padding=1), nn.ReLU(), nn.Flatten(),
+                         nn.Linear(24 * 16, 10))
+
+
+def _compress(model, budget, **kw):
+    return tnspec.compress(model, budget, ("tucker2", "cp"), shares=(0.1, 0.3, 0.6),
+                           exclude=["0"], fit=FAST, **kw)
+
+
+@pytest.mark.parametrize("budget", [0.15, 0.4])
+def test_the_budget_holds_exactly_and_data_lowers_the_model_error(budget):
+    model = _model()
+    x = torch.randn(32, 3, 8, 8)
+    ref = model(x)
+    errors = []
+    for data in (None, x):
+        small, report = _compress(copy.deepcopy(model), budget, data=data)
+        names = [c.name for c in report.choices]
+        actual = sum(p.numel() for n in names for p in small.get_submodule(n).parameters())
+        assert actual == report.params_after <= budget * report.params_before
+        assert report.params_before == sum(p.numel() for n in names
+                                           for p in model.get_submodule(n).parameters())
+        assert f"budget {budget:.0%}" in str(report)
+        errors.append(((small(x) - ref).norm() / ref.norm()).item())
+    assert errors[1] < errors[0]
+
+
+def test_the_allocation_is_the_knapsack_optimum():
+    items = [[(100, 0.0), (30, 0.5), (10, 0.9)], [(200, 0.0), (50, 0.2), (20, 0.7)],
+             [(50, 0.0), (25, 0.1), (5, 0.8)]]
+    for budget in (0.1, 0.2, 0.3, 0.5, 1.0):
+        capacity = budget * 350
+        best = min((sum(items[i][k][1] for i, k in enumerate(pick)), pick)
+                   for pick in itertools.product(range(3), repeat=3)
+                   if sum(items[i][k][0] for i, k in enumerate(pick)) <= capacity)
+        picks = _allocate(items, budget)
+        assert sum(items[i][k][1] for i, k in enumerate(picks)) == pytest.approx(best[0])
+    with pytest.raises(tnspec.SpecError, match="below what the smallest candidates need"):
+        _allocate(items, 0.05)
+
+
+def test_latency_mode_never_picks_a_layer_slower_than_dense():
+    def timer(module, shape):  # an injected clock: cp is slow, tucker2 fast
+        if not isinstance(module, tnspec.Layer):
+            return 1.0
+        return 0.5 if "U[" in module.spec else 2.0  # tucker2's cores are U, G, V
+    model = _model()
+    small, report = _compress(model, 0.3, data=torch.randn(8, 3, 8, 8), latency=True,
+                              timer=timer)
+    assert all(c.chosen.format in ("dense", "tucker2") for c in report.choices)
+    assert all(c.chosen.seconds <= c.dense_seconds for c in report.choices)
+    assert "0.50x" in str(report)
+
+
+def test_ctrl_c_leaves_the_model_unchanged():
+    model = _model()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    kinds = [type(m) for m in model.modules()]
+    calls = []
+
+    def interrupt(module, args):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+    handle = model[5].register_forward_pre_hook(interrupt)
+    with pytest.raises(KeyboardInterrupt):  # while recording or measuring sensitivities
+        _compress(model, 0.3, data=[torch.randn(4, 3, 8, 8)] * 3)
+    handle.remove()
+
+    def timer(module, shape):  # and while fitting and timing candidates
+        if isinstance(module, tnspec.Layer) and len(calls) > 6:
+            raise KeyboardInterrupt
+        calls.append(1)
+        return 1.0
+    with pytest.raises(KeyboardInterrupt):
+        _compress(model, 0.3, data=torch.randn(4, 3, 8, 8), latency=True, timer=timer)
+    assert [type(m) for m in model.modules()] == kinds
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert all(m.training for m in model.modules())
+
+
+def test_bad_arguments_are_clear_errors():
+    with pytest.raises(tnspec.SpecError, match="budget=0 is a share"):
+        tnspec.compress(_model(), 0)
+    with pytest.raises(tnspec.SpecError, match="latency=True needs data="):
+        tnspec.compress(_model(), 0.5, latency=True)
+    with pytest.raises(tnspec.SpecError, match="no layer to compress"):
+        tnspec.compress(_model(), 0.5, include="nothing")
+    with pytest.raises(tnspec.SpecError, match="fit= has no option 'iterations'"):
+        tnspec.compress(_model(), 0.5, fit={"iterations": 3})
+
+
+def test_a_few_sweeps_before_the_float32_refit_reach_the_float64_fit():
+    """compress's quick data fit (``sweeps=5``: the weight-only start stops after 5 ALS
+    sweeps; the refit runs in float32 for a float32 weight) is as good as the full one."""
+    torch.manual_seed(0)
+    conv = nn.Conv2d(16, 16, 3, padding=1)
+    x = torch.randn(64, 16, 8, 8) * torch.logspace(0, -2, 16).view(1, 16, 1, 1)
+    errors = []
+    for weight, sweeps in ((conv.weight.detach(), 5), (conv.weight.detach().double(), None)):
+        layer = formats.cp(16, 16, 3, rank=0.3, padding=1).layer().to(weight.dtype)
+        errors.append(layer.fit_(weight, inputs=x.to(weight.dtype)) if sweeps is None else
+                      layer._fit(weight, moments.of_inputs(conv, x), sweeps=sweeps,
+                                 max_seconds=None))
+    assert errors[0] < 1.1 * errors[1]
+    with pytest.raises(tnspec.SpecError, match="sweeps=0 must be an int >= 1"):
+        tnspec.fit.decompose.fit(layer.network, conv.weight.detach(), sweeps=0)
+
+
+def test_the_report_plots_each_layers_candidates(tmp_path):
+    pytest.importorskip("matplotlib")
+    import matplotlib
+    matplotlib.use("Agg")
+    _, report = _compress(_model(), 0.3)
+    fig = report.plot(str(tmp_path / "fronts.png"))
+    assert (tmp_path / "fronts.png").stat().st_size > 0
+    assert len([ax for ax in fig.axes if ax.get_title()]) == len(report.choices)

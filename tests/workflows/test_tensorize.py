@@ -1,0 +1,238 @@
+"""tnspec.tensorize: the replaced layers keep the dense layers' interface (the standard format
+reproduces them exactly), read the activation that follows them, and skip what they cannot
+express with a reason."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import tnspec
+from tnspec.workflows.tensorize import TensorizedConv, TensorizedLinear
+
+pytestmark = pytest.mark.usefixtures("float64")
+
+LAYERS = {  # a dense layer, and an input for it
+    "conv1d": (lambda: nn.Conv1d(6, 4, 4, stride=3, padding=2), (2, 6, 11)),
+    "conv2d-nonsquare": (lambda: nn.Conv2d(6, 8, (3, 5), stride=(2, 1), padding=(1, 2),
+                                           dilation=(1, 2)), (2, 6, 9, 10)),
+    "conv2d-same-grouped": (lambda: nn.Conv2d(6, 9, 3, padding="same", groups=3,
+                                              bias=False), (2, 6, 7, 7)),
+    "conv2d-valid": (lambda: nn.Conv2d(4, 4, 2, padding="valid"), (2, 4, 6, 6)),
+    "conv3d": (lambda: nn.Conv3d(4, 6, (3, 1, 3), stride=(1, 2, 2), padding=1), (2, 4, 5, 6, 7)),
+    "linear": (lambda: nn.Linear(12, 10), (2, 12)),
+    "linear-3d-input": (lambda: nn.Linear(12, 10, bias=False), (2, 5, 12)),
+    "conv2d-unbatched": (lambda: nn.Conv2d(4, 6, 3, padding=1), (4, 6, 6)),
+}
+
+
+@pytest.mark.parametrize("case", LAYERS)
+def test_the_standard_format_reproduces_the_dense_layer(case):
+    make, shape = LAYERS[case]
+    dense = make().double()
+    model, report = tnspec.tensorize(nn.Sequential(copy.deepcopy(dense)), "standard")
+    layer = model[0]
+    assert isinstance(layer, TensorizedLinear if isinstance(dense, nn.Linear) else TensorizedConv)
+    with torch.no_grad():  # the dense weight is (o, c, k...) per group; W is [g, o, c, k...]
+        layer.W.copy_(dense.weight.reshape(layer.W.shape))
+        if dense.bias is not None:
+            layer.bias.copy_(dense.bias.reshape(layer.bias.shape))
+    x = torch.randn(shape)
+    assert torch.allclose(layer(x), dense(x), rtol=1e-10, atol=1e-12)
+    assert report.params_before == report.params_after
+    assert (layer.bias is None) == (dense.bias is None)
+
+
+@pytest.mark.parametrize("fmt", ["low_rank", "cp", "tucker", "tucker2", "htk2", "tt", "tr",
+                                 "block_term", "hypernet", "depthwise_separable"])
+@pytest.mark.parametrize("case", LAYERS)
+def test_every_format_keeps_the_interface(fmt, case):
+    make, shape = LAYERS[case]
+    dense = make().double()
+    model, report = tnspec.tensorize(nn.Sequential(copy.deepcopy(dense)), fmt, rank=2)
+    x = torch.randn(shape)
+    if report.skipped:  # only the formats that cannot take this layer, and they say why
+        assert fmt == "depthwise_separable" and ("groups" in report.skipped[0][1] or
+                                                 "kernel" in report.skipped[0][1])
+        return
+    assert model[0](x).shape == dense(x).shape
+    assert report.replaced[0].params_after == sum(p.numel() for p in model[0].parameters())
+
+
+class Functional(nn.Module):
+    """Activations written in forward(), read through torch.fx."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+        self.c = nn.Linear(8, 8)
+        self.drop = nn.Dropout(0.1)
+        self.d = nn.Linear(8, 2)
+
+    def forward(self, x):
+        x = F.leaky_relu(self.a(x), 0.2)
+        x = torch.tanh(self.drop(self.b(x)))
+        x = self.c(x).relu()
+        return self.d(x)
+
+
+def test_the_activation_after_each_layer_is_read_from_the_model():
+    seq = nn.Sequential(nn.Conv2d(4, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Conv2d(4, 4, 3),
+                        nn.GELU(), nn.Conv2d(4, 4, 1), nn.Flatten(), nn.LazyLinear(3))
+    seq = nn.Sequential(*list(seq)[:-1], nn.Linear(4 * 9, 3))
+    _, report = tnspec.tensorize(seq, "cp", rank=2)
+    acts = {r.name: (r.activation, r.activation_from) for r in report.replaced}
+    assert acts["0"] == ("relu", "read from the model")
+    assert acts["3"] == ("gelu", "read from the model")
+    assert acts["5"] == ("linear", "no activation found after it")
+    _, report = tnspec.tensorize(Functional(), "low_rank", rank=2)
+    acts = {r.name: r.activation for r in report.replaced}
+    assert acts == {"a": "leaky_relu(0.2)", "b": "tanh", "c": "relu", "d": "linear"}
+    _, report = tnspec.tensorize(Functional(), "low_rank", rank=2, activation="tanh")
+    assert {r.activation_from for r in report.replaced} == {"given"}
+
+
+def test_the_init_follows_the_activation():
+    """Graph-in for relu draws twice the variance it draws for a linear layer."""
+    def var(model):
+        cores = model[0].network.cores
+        return torch.stack([getattr(model[0], c.name).var() for c in cores]).prod().item()
+    torch.manual_seed(0)
+    relu, _ = tnspec.tensorize(nn.Sequential(nn.Linear(400, 400), nn.ReLU()), "tucker2", rank=20)
+    torch.manual_seed(0)
+    plain, _ = tnspec.tensorize(nn.Sequential(nn.Linear(400, 400)), "tucker2", rank=20)
+    assert var(relu) / var(plain) == pytest.approx(2, rel=0.15)
+
+
+def test_a_deep_plain_relu_net_keeps_its_scale():
+    """Twelve tensorized TR convs with ReLU and no normalization: Graph-in keeps the output
+    scale (median of 5 draws) within 3x of what Kaiming keeps in the dense net (zero padding
+    shrinks both); per-core Kaiming loses it."""
+    def stack():
+        layers = []
+        for _ in range(12):
+            conv = nn.Conv2d(32, 32, 3, padding=1)
+            nn.init.kaiming_normal_(conv.weight, nonlinearity="relu")
+            nn.init.zeros_(conv.bias)
+            layers += [conv, nn.ReLU()]
+        return nn.Sequential(*layers)
+
+    def scale(model):
+        with torch.no_grad():
+            return (model(x).pow(2).mean() / x.pow(2).mean()).sqrt().item()
+
+    def median(make):
+        values = []
+        for seed in range(5):
+            torch.manual_seed(seed)
+            values.append(scale(make()))
+        return sorted(values)[2]
+    x = torch.randn(8, 32, 12, 12)
+    dense = median(stack)
+    graph = median(lambda: tnspec.tensorize(stack(), "tr", rank=6)[0])
+    kaiming = median(lambda: tnspec.tensorize(stack(), "tr", rank=6, init="kaiming-in")[0])
+    assert 1 / 3 < graph / dense < 3, (graph, dense)
+    assert kaiming / dense < 0.05
+
+
+def test_layers_that_cannot_be_expressed_are_skipped_with_a_reason():
+    model = nn.Sequential(nn.Conv2d(4, 4, 3, padding=1, padding_mode="reflect"),
+                          nn.Conv2d(4, 4, 2, padding="same"),
+                          nn.Conv2d(4, 4, 3, groups=4),
+                          nn.Conv2d(4, 4, 3),
+                          nn.Linear(4, 4))
+    model.append(nn.MultiheadAttention(4, 2))
+    _, report = tnspec.tensorize(model, "tucker2", rank=0.01)
+    reasons = dict(report.skipped)
+    assert "padding_mode='reflect'" in reasons["0"]
+    assert "pads one side more" in reasons["1"]
+    assert "depthwise" in reasons["2"]
+    assert "even rank 1 has" in reasons["3"]
+    assert "MultiheadAttention reads" in reasons["5.out_proj"]
+    assert not report.replaced
+    assert "skipped 1 x Conv2d (0): padding_mode='reflect'" in str(report)
+
+
+def test_rank_multiple_rounds_each_layers_share_and_needs_a_share():
+    model = nn.Sequential(nn.Conv2d(128, 128, 3, padding=1), nn.ReLU(),
+                          nn.Conv2d(128, 256, 3, padding=1))
+    model, report = tnspec.tensorize(model, "tucker2", rank=0.25, rank_multiple=16)
+    assert [(m.sizes["r0"], m.sizes["r1"]) for m in (model[0], model[2])] == [(48, 48), (64, 64)]
+    assert len(report.replaced) == 2
+    with pytest.raises(tnspec.SpecError, match="(?s)rank_multiple=16 with rank=8.*give rank=0.25"):
+        tnspec.tensorize(nn.Sequential(nn.Conv2d(8, 8, 3)), "tucker2", rank=8, rank_multiple=16)
+
+
+def test_include_and_exclude_select_layers():
+    def model():
+        inner = nn.Sequential(nn.Conv2d(8, 8, 3), nn.Linear(8, 8))
+        return nn.Sequential(nn.Conv2d(8, 8, 3), inner)
+
+    def names(report):
+        return [r.name for r in report.replaced]
+    assert names(tnspec.tensorize(model(), "cp", rank=2, include="1.*")[1]) == ["1.0", "1.1"]
+    assert names(tnspec.tensorize(model(), "cp", rank=2, exclude=["1.*"])[1]) == ["0"]
+    linear_only = tnspec.tensorize(model(), "cp", rank=2,
+                                   include=lambda name, m: isinstance(m, nn.Linear))[1]
+    assert names(linear_only) == ["1.1"]
+    model_, report = tnspec.tensorize(model(), "cp", rank=2)
+    assert len(report.replaced) == 3 and "tensorize: 3 layer(s) to cp" in str(report)
+    _, again = tnspec.tensorize(model_, "cp", rank=2)  # tnspec layers are not re-tensorized
+    assert not again.replaced
+
+
+def test_an_unknown_format_is_refused():
+    with pytest.raises(tnspec.SpecError, match="unknown format 'tucker3'"):
+        tnspec.tensorize(nn.Linear(4, 4), "tucker3")
+
+
+def test_a_tensorized_model_trains_and_round_trips():
+    torch.manual_seed(0)
+    model, _ = tnspec.tensorize(nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(),
+                                              nn.Flatten(), nn.Linear(8 * 16, 2)), "tt", rank=3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(16, 3, 4, 4), torch.randint(0, 2, (16,))
+    first = F.cross_entropy(model(x), y).item()
+    for _ in range(20):
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    assert F.cross_entropy(model(x), y).item() < first
+    clone = copy.deepcopy(model)
+    clone.load_state_dict(model.state_dict())
+    assert torch.equal(clone(x), model(x))
+
+
+def test_tied_weights_stay_tied_and_skipped_kinds_are_counted():
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb, self.mid = nn.Embedding(100, 64), nn.Linear(64, 64)
+            self.head = nn.Linear(64, 100, bias=False)
+            self.head.weight = self.emb.weight  # as language models tie them
+            self.up = nn.ConvTranspose2d(4, 4, 3)
+            self.dw1, self.dw2 = nn.Conv2d(8, 8, 3, groups=8), nn.Conv2d(8, 8, 3, groups=8)
+            self.shared = nn.Linear(64, 64)
+            self.again = self.shared  # one module under two names
+
+        def forward(self, x):
+            return self.head(self.again(self.shared(self.mid(self.emb(x)))))
+
+    model, report = tnspec.tensorize(Tied(), "tucker2", rank=0.5)
+    assert model.head.weight is model.emb.weight and isinstance(model.head, nn.Linear)
+    assert model.shared is model.again and isinstance(model.shared, nn.Linear)
+    assert [r.name for r in report.replaced] == ["mid"]
+    text = str(report)
+    assert "skipped 1 x Linear (head): its parameters are shared with 'emb' (tied weights)" \
+        in text
+    assert "skipped 1 x Linear (shared): its parameters are shared with 'again'" in text
+    assert "skipped 2 x Conv2d (dw1, dw2): a depthwise conv" in text
+    assert "skipped 1 x Embedding (emb): its parameters are shared with 'head'" in text
+    assert "not a kind tensorize replaces: 1 x ConvTranspose2d\n" in text + "\n"
+    x = torch.randint(0, 100, (3,))
+    assert model(x).shape == (3, 100)

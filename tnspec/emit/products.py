@@ -1,0 +1,156 @@
+"""Lower, the products: a step that multiplies two tensors without a convolution,
+as ``torch.einsum``, as a batched matmul over views of the data (channel mixing of contiguous
+data), or as the weight of a later conv or linear step written in the layout that step reads.
+
+:class:`Products` is the part of the lowering (``lower._Lowering``) that emits these; it reads
+the layouts ``program.Builder`` tracks and two attributes its subclass sets, ``channels_last``
+and ``wanted`` (the weight layout each conv or linear step reads, by the name of the step's
+weight operand).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+from ..program import Builder, Param, Var
+from ..shapes import Size, axis_text
+from ..planning.plan import Step
+
+_LETTERS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+
+
+class Products(Builder):
+    """The emitters of product steps; ``lower._Lowering`` adds the program around them."""
+
+    channels_last: bool  # the program is laid out for a channels-last input
+    wanted: dict[str, tuple[str, ...]]  # the layout a conv or linear step reads its weight in
+
+    def einsum(self, step: Step, left: Var | Param, right: Var | Param, base: str,
+               what: str) -> Var | Param:
+        """A step without a convolution: a batched matmul where :meth:`matmul` applies, the
+        next step's weight where a conv or linear step reads the result, else one
+        ``torch.einsum`` (indices merged where there are more than its 52 letters)."""
+        if step.data_side and not self.channels_last:
+            mixed = self.matmul(step, left, right, base, what)
+            if mixed is not None:
+                return mixed
+        a, b, out = step.left.indices, step.right.indices, step.result.indices
+        dims = [self.dim(left, i) if i in a else self.dim(right, i) for i in out]
+        comment = f"einsum, {step.flops:,} FLOPs: {what}"
+        names = list(dict.fromkeys(a + b))
+        if base in self.wanted and set(self.wanted[base]) == set(out) and \
+                set(a) | set(b) <= set(out) | (set(a) & set(b)):  # nothing summed on one side
+            order = _nearest(a, b, out, self.wanted[base])
+            if set(a) - set(out) and set(a) - set(b) and set(b) - set(a):  # a matrix product
+                return self.weight(step, left, right, order, base, comment)
+            out = order  # an outer product: torch.einsum writes it contiguous in this order
+            dims = [self.dim(left, i) if i in a else self.dim(right, i) for i in out]
+        if len(names) <= len(_LETTERS):
+            letter = dict(zip(names, _LETTERS))
+            eq = "".join(letter[i] for i in a) + "," + "".join(letter[i] for i in b) + \
+                "->" + "".join(letter[i] for i in out)
+            return self.call(base, "torch.einsum", eq, left, right, layout=out, dims=dims,
+                             comment=comment)
+        # torch.einsum knows 52 subscripts: merge the indices that play the same part (batch,
+        # left/right free, contracted, summed on one side) into one axis each
+        in_a, in_b, kept = set(a), set(b), set(out)
+        by_index = dict(zip(out, dims))
+        batch = [i for i in out if i in in_a and i in in_b]
+        free_a, free_b = [i for i in out if i not in in_b], [i for i in out if i not in in_a]
+        contracted = [i for i in a if i in in_b and i not in kept]
+        summed_a = [i for i in a if i not in in_b | kept]
+        summed_b = [i for i in b if i not in in_a | kept]
+        left = self.merged(left, [batch, free_a, contracted, summed_a])
+        right = self.merged(right, [batch, contracted, free_b, summed_b])
+        letter = dict(zip(self.layout[left] + self.layout[right], _LETTERS))
+        order = [axis_text(c) for c in (batch, free_a, free_b) if c]
+        eq = "".join(letter[i] for i in self.layout[left]) + "," + \
+            "".join(letter[i] for i in self.layout[right]) + "->" + \
+            "".join(letter[i] for i in order)
+        merged = self.call(base, "torch.einsum", eq, left, right, layout=tuple(order),
+                           dims=[math.prod((by_index[i] for i in c), start=Size.of(1))
+                                 for c in (batch, free_a, free_b) if c], comment=comment)
+        flat = batch + free_a + free_b
+        holder = self.reshape_to(merged, flat, [by_index[i] for i in flat], base + "_r")
+        return self.arrange(holder, out, dims)
+
+    def matmul(self, step: Step, left: Var | Param, right: Var | Param, base: str,
+               what: str) -> Var | None:
+        """Channel mixing of contiguous data, ``W[o, c] x[p, c, s] -> y[p, o, s]``, as one
+        ``torch.bmm`` of the weight expanded over ``p`` (a view) and a view of the data:
+        ``torch.einsum`` would copy the data channels-last and keep that copy for backward,
+        and ``torch.matmul`` folds the batch the same way. None where the data's layout is
+        not (kept, contracted, kept) or an index is a group or summed on one side."""
+        a, b, out = step.left.indices, step.right.indices, step.result.indices
+        layout = self.layout[left]
+        contracted = [i for i in layout if i in b]
+        if not contracted or set(a) - set(b) - set(out) or set(b) & set(out) & set(a) or \
+                set(b) - set(a) - set(out) or set(contracted) & set(out):
+            return None
+        first = layout.index(contracted[0])
+        if tuple(layout[first:first + len(contracted)]) != tuple(contracted):
+            return None
+        before, after = layout[:first], layout[first + len(contracted):]
+        if not after:
+            return None
+        outputs = [i for i in out if i in b]
+
+        def length(indices: Sequence[str], holder: Var | Param) -> Size:
+            return math.prod((self.dim(holder, i) for i in indices), start=Size.of(1))
+        p, c, s, o = length(before, left), length(contracted, left), length(after, left), \
+            length(outputs, right)
+        w = self.arrange(right, outputs + contracted, [o, c])
+        w = self.call(right.name + "_e", ".expand", w, p, -1, -1, layout=("", "", ""),
+                      dims=[p, o, c])
+        x = self.reshape_to(left, (axis_text(before), axis_text(contracted), axis_text(after)),
+                            [p, c, s], left.name + "_r")
+        y = self.call(base + "_mm", "torch.bmm", w, x, layout=("", "", ""), dims=[p, o, s],
+                      comment=f"channel mixing as a batched matmul, {step.flops:,} FLOPs: {what}")
+        natural = tuple(before) + tuple(outputs) + tuple(after)
+        dims = [self.dim(left, i) if i in layout else self.dim(right, i) for i in natural]
+        y = self.reshape_to(y, natural, dims, base)
+        if natural != out:
+            y = self.arrange(y, out, [dims[natural.index(i)] for i in out])
+        return y
+
+    def weight(self, step: Step, left: Var | Param, right: Var | Param,
+               order: tuple[str, ...], base: str, comment: str) -> Var | Param:
+        """A step that builds the weight of a later conv or linear (reconstruct-first), as
+        one ``torch.matmul`` of the two operands flattened, its result in ``order``
+        (:func:`_nearest`: one permute from the layout that step reads); ``torch.einsum``
+        would permute it back to the step's order, and the consumer copy it again."""
+        a, b, out = step.left.indices, step.right.indices, step.result.indices
+        batch = [i for i in order if i in a and i in b]
+        contracted = [i for i in a if i in b and i not in out]
+        own = order[len(batch):]
+        if own[0] not in a:  # the right operand's own indices come first: it goes left
+            left, right, a = right, left, b
+        first, second = [i for i in own if i in a], [i for i in own if i not in a]
+        dims = {i: self.dim(h, i) for h in (left, right) for i in self.layout[h]}
+        lm = self.merged(left, [batch, first, contracted])
+        rm = self.merged(right, [batch, contracted, second])
+        flat = [c for c in (batch, first, second) if c]
+        product = self.call(base, "torch.matmul", lm, rm, layout=tuple(map(axis_text, flat)),
+                            dims=[math.prod((dims[i] for i in c), start=Size.of(1))
+                                  for c in flat],
+                            comment=comment.replace("einsum", "the next step's weight", 1))
+        return self.reshape_to(product, order, [dims[i] for i in order], base + "_r")
+
+
+def _nearest(a: Sequence[str], b: Sequence[str], out: Sequence[str],
+             wanted: Sequence[str]) -> tuple[str, ...]:
+    """An order of ``out`` that ``torch.einsum`` writes contiguously (shared indices, then one
+    operand's own, then the other's, each group in ``wanted``'s order) whose permute into
+    ``wanted`` copies the longest contiguous runs: the most trailing indices in place."""
+    rank = {i: k for k, i in enumerate(wanted)}
+    batch = sorted((i for i in out if i in a and i in b), key=rank.__getitem__)
+    own_a = sorted((i for i in out if i not in b), key=rank.__getitem__)
+    own_b = sorted((i for i in out if i not in a), key=rank.__getitem__)
+
+    def in_place(order: list[str]) -> int:
+        n = 0
+        while n < len(order) and order[-1 - n] == wanted[-1 - n]:
+            n += 1
+        return n
+    return tuple(max([batch + own_a + own_b, batch + own_b + own_a], key=in_place))

@@ -1,0 +1,103 @@
+"""The second moment of what a layer sees: the inputs of a linear layer, the unfolded patches of
+a conv (with its stride, padding, dilation and groups), as a factor ``L`` with ``L L^T = M``.
+
+Fitting a layer to its *outputs* on sample inputs ``X`` minimizes ``E ||(W_fit - W) p||^2`` over
+the patches ``p``, which is ``||(W_fit - W) L||^2``: the weight error in the metric of the
+input's second moment ``M = E[p p^T]``. ``L`` is ``V sqrt(Lambda)`` from the eigendecomposition
+of ``M``, keeping the directions that carry the data (eigenvalues above ``1e-12`` of the
+largest) and at most ``max_rank`` of them: a ``P x q`` factor, ``q <= min(P, max_rank)``, so
+that fitting costs about what a weight-only fit of ``q`` input columns would. Directions past
+``max_rank`` carry the least variance; the error there is not weighed.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..errors import SpecError
+
+MAX_ROWS = 16384  # patches kept for the moment (a random subset past it; the RNG is untouched)
+MAX_RANK = 512
+
+
+def patches(x: Tensor, kernel: Sequence[int], stride: Sequence[int], padding: Sequence[int],
+            dilation: Sequence[int]) -> Tensor:
+    """``(rows, C * prod(kernel))``: every patch a conv of these settings reads from ``x``
+    (``(N, C, *spatial)``), flattened as ``(c, k1, k2, ...)`` like ``weight[o]``."""
+    d = len(kernel)
+    x = F.pad(x, [p for pad in reversed(padding) for p in (pad, pad)])
+    for axis in range(d):
+        span = dilation[axis] * (kernel[axis] - 1) + 1
+        x = x.unfold(2 + axis, span, stride[axis])  # (N, C, out..., window)
+        x = x[..., ::dilation[axis]]
+    # x: (N, C, out_1..out_d, k_1..k_d)
+    n, c = x.shape[:2]
+    x = x.permute(0, *range(2, 2 + d), 1, *range(2 + d, 2 + 2 * d))
+    return x.reshape(-1, c * math.prod(kernel))
+
+
+def factor(rows: Tensor, groups: int = 1, *, max_rows: int = MAX_ROWS,
+           max_rank: int = MAX_RANK) -> Tensor:
+    """``L`` of shape ``(groups, P, q)`` with ``L[g] L[g]^T`` the mean of ``p p^T`` over the
+    rows of group ``g`` (``rows``: ``(n, groups * P)``), in float64."""
+    rows = rows.detach().to(torch.float64)
+    if rows.shape[0] > max_rows:
+        gen = torch.Generator().manual_seed(rows.shape[0])
+        rows = rows[torch.randperm(rows.shape[0], generator=gen)[:max_rows].to(rows.device)]
+    per = rows.shape[1] // groups
+    factors = []
+    for g in range(groups):
+        block = rows[:, g * per:(g + 1) * per]
+        moment = block.T @ block / max(block.shape[0], 1)
+        values, vectors = _eigh(moment)
+        keep = values > 1e-12 * max(float(values[-1]), 1e-300)
+        values, vectors = values[keep][-max_rank:], vectors[:, keep][:, -max_rank:]
+        factors.append(vectors * values.sqrt())
+    q = max(max(f.shape[1] for f in factors), 1)
+    out = torch.zeros(groups, per, q, dtype=torch.float64, device=rows.device)
+    for g, f in enumerate(factors):
+        out[g, :, :f.shape[1]] = f
+    return out
+
+
+def _eigh(moment: Tensor) -> tuple[Tensor, Tensor]:
+    """``torch.linalg.eigh``, with a jitter on the diagonal where it does not converge (the
+    moment of ReLU activations has many repeated zero eigenvalues)."""
+    scale = float(moment.diagonal().mean()) or 1.0
+    for jitter in (0.0, 1e-12, 1e-9, 1e-6):
+        try:
+            eye = torch.eye(len(moment), dtype=moment.dtype, device=moment.device)
+            return torch.linalg.eigh(moment + jitter * scale * eye)
+        except torch.linalg.LinAlgError:
+            continue
+    raise SpecError("the second moment of the inputs has no eigendecomposition",
+                    hint="check the inputs for NaN or infinite values")
+
+
+def of_inputs(layer: Any, inputs: Tensor) -> Tensor:
+    """The metric factor of ``inputs`` as the conv-like or linear-like ``layer`` (its
+    ``nn.ConvNd`` / ``nn.Linear`` attributes) reads them: ``(groups, P, q)``."""
+    if not isinstance(inputs, Tensor) or not inputs.is_floating_point():
+        raise TypeError(f"fit_(inputs=...) takes a float tensor of sample inputs, not "
+                        f"{type(inputs).__name__}")
+    x = inputs.detach()
+    if not hasattr(layer, "in_channels"):
+        if not hasattr(layer, "in_features"):
+            raise SpecError("fitting to inputs needs a conv-like or linear-like layer")
+        if x.shape[-1] != layer.in_features:
+            raise SpecError(f"inputs of shape {tuple(x.shape)} do not end in "
+                            f"in_features={layer.in_features}")
+        return factor(x.reshape(-1, layer.in_features))
+    d = len(layer.kernel_size)
+    if x.dim() == d + 1:  # unbatched, as nn.ConvNd takes it
+        x = x.unsqueeze(0)
+    if x.dim() != d + 2 or x.shape[1] != layer.in_channels:
+        raise SpecError(f"inputs of shape {tuple(x.shape)} are not (N, {layer.in_channels}, "
+                        f"...) with {d} spatial axes")
+    rows = patches(x, layer.kernel_size, layer.stride, layer.padding, layer.dilation)
+    return factor(rows, layer.groups)  # rows are (c, k...) over all channels: group-major

@@ -1,0 +1,99 @@
+"""The named formats as graphs: which mode, kernel and rank indices each core carries.
+
+Each entry maps the layer's parts (input and output mode names, kernel names: ``axes.Parts``) and
+the names of its rank edges to the index lists of its cores; ``formats`` sizes them and writes the
+spec text. A new named format is one entry here and one function in ``formats``.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+from .axes import Parts
+
+
+def _standard(p: Parts, r: list[str]) -> list[list[str]]:
+    return [p.outs + p.ins + p.ks]
+
+
+def _low_rank(p: Parts, r: list[str]) -> list[list[str]]:
+    return [p.ins + p.ks + r, r + p.outs]
+
+
+def _cp(p: Parts, r: list[str]) -> list[list[str]]:
+    return [p.ins + r] + [[k] + r for k in p.ks] + [r + p.outs]
+
+
+def _tucker(p: Parts, r: list[str]) -> list[list[str]]:
+    kr = r[2:]
+    return [p.ins + r[:1]] + [[k, q] for k, q in zip(p.ks, kr)] + [r[:2] + kr, r[1:2] + p.outs]
+
+
+def _tucker2(p: Parts, r: list[str]) -> list[list[str]]:
+    return [p.ins + r[:1], r[:2] + p.ks, r[1:2] + p.outs]
+
+
+def _tt(p: Parts, r: list[str]) -> list[list[str]]:
+    """Garipov et al.: a kernel core, then one core per (input, output) mode pair."""
+    cores = [p.ks + r[:1]] if p.ks else []
+    rs = ([] if p.ks else [None]) + r + [None]
+    for i, (c, o) in enumerate(zip(p.ins, p.outs)):
+        cores.append([q for q in (rs[i], c, o, rs[i + 1]) if q])
+    return cores
+
+
+def _tr(p: Parts, r: list[str]) -> list[list[str]]:
+    """Wang et al.: input mode cores, a kernel core, output mode cores, on one ring."""
+    legs = [[m] for m in p.ins] + ([p.ks] if p.ks else []) + [[m] for m in p.outs]
+    return [[r[i], *leg, r[(i + 1) % len(r)]] for i, leg in enumerate(legs)]
+
+
+def _block_term(p: Parts, r: list[str]) -> list[list[str]]:
+    """A sum over the last rank index n of full Tucker terms (n is a hyperedge)."""
+    n = r[-1:]
+    return [c + n for c in _tucker(p, r[:-1])]
+
+
+def _odd(p: Parts, r: list[str]) -> list[list[str]]:
+    """The Odd-like stand-in of examples/odd.tn: 9 cores, 14 rank edges."""
+    (i0, i1), (o0, o1) = p.ins, p.outs
+    return [[i0, r[0], r[1], r[13]], [r[0], r[2], r[3]], [i1, r[1], r[4], r[12]],
+            [r[2], r[5], r[6]], [r[3], r[4], r[7], r[8], *p.ks], [r[5], r[9], r[13]],
+            [r[6], r[7], r[10], o0], [r[8], r[11], r[12]], [r[9], r[10], r[11], o1]]
+
+
+def _hypernet(p: Parts, r: list[str]) -> list[list[str]]:
+    return [p.ins + r] + ([p.ks + r] if p.ks else []) + [r + p.outs]
+
+
+def _separable(p: Parts, r: list[str]) -> list[list[str]]:
+    return [p.ins + p.ks, p.ins + p.outs]
+
+
+Builder = Callable[[Parts, list[str]], list[list[str]]]
+
+
+class Topology(NamedTuple):
+    """A named format's graph: its cores' indices, how many rank edges it has, and the letters
+    that name its cores (empty: A, B, C, ...)."""
+
+    cores: Builder
+    ranks: Callable[[Parts], int]
+    letters: str
+
+
+TOPOLOGIES: dict[str, Topology] = {
+    "standard": Topology(_standard, lambda p: 0, "W"),
+    "low_rank": Topology(_low_rank, lambda p: 1, "UV"),
+    "cp": Topology(_cp, lambda p: 1, ""),
+    "tucker": Topology(_tucker, lambda p: 2 + len(p.ks), ""),
+    "tucker2": Topology(_tucker2, lambda p: 2, "UGV"),
+    # Hyper Tucker-2 (paper Fig. 5): Tucker-2's graph; formats gives it phi=4 by default
+    "htk2": Topology(_tucker2, lambda p: 2, "UGV"),
+    "tt": Topology(_tt, lambda p: len(p.ins) - (0 if p.ks else 1), ""),
+    "tr": Topology(_tr, lambda p: len(p.ins) + len(p.outs) + (1 if p.ks else 0), ""),
+    "block_term": Topology(_block_term, lambda p: 3 + len(p.ks), ""),
+    "odd": Topology(_odd, lambda p: 14, "ABCDEFGHI"),
+    "hypernet": Topology(_hypernet, lambda p: 1, ""),
+    "depthwise_separable": Topology(_separable, lambda p: 0, "DP"),
+}

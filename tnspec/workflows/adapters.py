@@ -1,0 +1,373 @@
+"""``tnspec.adapt`` and ``tnspec.set_adapter``: tensor-network adapters for fine-tuning a
+pretrained model. Each targeted ``nn.Linear`` / ``nn.Conv1d/2d/3d`` becomes an
+:class:`Adapted` module: the original module (frozen, untouched) plus named tnspec layers of
+the same geometry whose outputs are added.
+
+The init rule (docs/adapters.md): the adapter's cores other than one are drawn by Graph-in for
+an output variance of ``scale`` times the base layer's (read from its weight: ``||W||^2 / out``
+for unit-variance inputs); the remaining core (the output-side one by default) starts at zero,
+so that adapting changes no output bit, and is stored in units of its Graph-in std: the
+adapter's output is multiplied by that std. An optimizer step that moves each element of the
+zero core by about ``lr`` then moves the output by an amount that depends on neither the rank
+nor the format. ``adapter_state`` holds merging, saving and switching.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..errors import SpecError
+from ..ir import Network
+from ..shapes import geometry, nn_attributes
+from ..language.parse import parse
+from ..analysis.init import core_inits
+from ..fit import decompose
+from ..nn import formats
+from ..nn.api import _with_options, compile
+from ..nn.module import Layer
+from .merge import set_submodule
+from .tensorize import (_CONVS, Selector, TensorizedConv, TensorizedLinear, _check_forward,
+                        _read_directly, _selected)
+
+Fmt = str | formats.Format | Network
+
+
+class Adapted(nn.Module):
+    """A frozen ``base`` module (``nn.Linear`` or ``nn.Conv1d/2d/3d``, untouched) and named
+    tnspec ``adapters`` of its geometry: ``forward(x) = base(x) + scaling * adapter(x)`` for
+    the active adapter, run as its planned network on the input as the base pads it."""
+
+    def __init__(self, base: nn.Module) -> None:
+        super().__init__()
+        self.base = base
+        self.adapters = nn.ModuleDict()
+        self.scaling: dict[str, float] = {}  # the zero core's Graph-in std, per adapter
+        self.pads: dict[str, tuple[tuple[int, ...], str] | None] = {}  # F.pad before it
+        self.zeroed: dict[str, str] = {}  # the core that started at zero
+        self.active: str | None = None
+        self.disabled = False
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The base layer's weight (the adapters are not in it; see ``merge_adapters``)."""
+        return self.base.weight
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        """The base layer's bias (adapters have none)."""
+        return self.base.bias
+
+    def add(self, name: str, layer: Layer, scaling: float,
+            pad: tuple[tuple[int, ...], str] | None, zeroed: str) -> None:
+        """Register ``layer`` as adapter ``name`` (it replaces one of that name)."""
+        self.adapters[name] = layer
+        self.scaling[name], self.pads[name], self.zeroed[name] = scaling, pad, zeroed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base(x)
+        if self.disabled or self.active is None:
+            return y
+        pad = self.pads[self.active]
+        if pad is not None:
+            x = F.pad(x, pad[0], mode=pad[1])
+        return torch.add(y, self.adapters[self.active](x), alpha=self.scaling[self.active])
+
+    def delta_weight(self, name: str) -> torch.Tensor:
+        """Adapter ``name`` as a dense weight of the base's shape, in float64."""
+        return delta_weight(self.adapters[name], self.scaling[name])
+
+    def extra_repr(self) -> str:
+        return f"active={self.active!r}" + (", disabled" if self.disabled else "")
+
+
+def delta_weight(layer: Layer, scaling: float) -> torch.Tensor:
+    """``scaling`` times the adapter ``layer`` as a dense weight, from float64 copies of its
+    cores (what merging adds to the base weight)."""
+    cores = {n: p.detach().double() for n, p in layer.named_parameters() if n != "bias"}
+    return decompose.dense_weight(layer.network, cores) * scaling
+
+
+@dataclass(frozen=True)
+class Adaptation:
+    """One adapted layer: its name, the base module, the adapter's spec and parameters."""
+
+    name: str
+    base: str
+    spec: str
+    params: int  # the adapter's trainable parameters
+    base_params: int  # the base layer's (weight and bias)
+    zeroed: str
+    note: str = ""
+
+    @property
+    def share(self) -> float:
+        return self.params / max(self.base_params, 1)
+
+
+@dataclass(frozen=True)
+class AdaptReport:
+    """What ``adapt`` did: the layers adapted, those skipped (with why), the totals."""
+
+    adapter: str
+    format: str
+    adapted: tuple[Adaptation, ...]
+    skipped: tuple[tuple[str, str], ...]
+    trainable: int  # every trainable parameter of the model after adapt
+    total: int  # every parameter of the model, adapters included
+
+    def __str__(self) -> str:
+        lines = [f"adapt: {self.adapter!r} ({self.format}) on {len(self.adapted)} layer(s), "
+                 f"{len(self.skipped)} skipped; {self.trainable:,} of {self.total:,} parameters "
+                 f"train ({100 * self.trainable / max(self.total, 1):.2f}%)"]
+        for a in self.adapted:
+            lines.append(f"  {a.name}: {a.base}")
+            lines.append(f"      {a.params:,} trainable ({100 * a.share:.2f}% of its "
+                         f"{a.base_params:,}), {a.zeroed} starts at zero"
+                         + (f"; {a.note}" if a.note else ""))
+        for name, why in self.skipped:
+            lines.append(f"  skipped {name}: {why}")
+        return "\n".join(lines)
+
+
+def adapt(model: nn.Module, fmt: Fmt = "low_rank", *, rank: int | float | None = None,
+          include: Selector = None, exclude: Selector = None, scale: float = 1.0,
+          name: str = "default", zero: str | None = None,
+          sizes: Mapping[str, int] | None = None, **options: Any
+          ) -> tuple[nn.Module, AdaptReport]:
+    """Add adapter ``name`` to every ``nn.Linear`` / ``nn.Conv1d/2d/3d`` of ``model`` selected by
+    ``include``/``exclude`` (as :func:`tnspec.tensorize`), in place: each becomes an
+    :class:`Adapted` module (or gets one more adapter), and every parameter of the model other
+    than the new adapter's is frozen. The new adapter is the active one. Returns
+    ``(model, report)``; a bare layer given as the model returns its ``Adapted`` module.
+
+    ``fmt`` is a name of :data:`tnspec.formats.NAMES` (``low_rank`` is LoRA) with ``rank`` (an
+    int, or a float: the adapter's share of the base layer's parameters; 8 by default) and
+    ``options`` for :func:`tnspec.formats.build` (``in_modes``, ``phi``, ...); or a spec string
+    whose channel and kernel sizes, where not in ``sizes``, are read from each layer (ranks
+    go in ``sizes``); or a compiled :class:`Network` (from a ``.tn`` file) or a
+    :class:`~tnspec.formats.Format`. Any stride, dilation, groups, padding (``"same"``
+    included) and ``padding_mode`` work: the adapter runs on the input padded as the base pads
+    it. Layers whose geometry a spec does not match are skipped, with why, in the report.
+
+    At init the adapter is exactly zero (its core ``zero``, by default the output-side one, is
+    zero), so the model computes what it did, bit for bit. Once the zero core reaches its
+    Graph-in scale, the adapter's output variance is ``scale`` times the base layer's.
+
+    >>> net = nn.Sequential(nn.Conv2d(4, 16, 3, padding=1, padding_mode="reflect"), nn.ReLU(),
+    ...                     nn.Flatten(), nn.Linear(16 * 8 * 8, 10))
+    >>> net, report = adapt(net, "tt", rank=4)
+    >>> print(report)
+    adapt: 'default' (tt) on 2 layer(s), 0 skipped; 1,092 of 11,934 parameters train (9.15%)
+      0: Conv2d(4, 16, kernel_size=(3, 3), stride=(1, 1), padding=(1, 1), padding_mode=reflect)
+          196 trainable (33.11% of its 592), C starts at zero
+      3: Linear(in_features=1024, out_features=10, bias=True)
+          896 trainable (8.74% of its 10,250), B starts at zero
+    """
+    if not (isinstance(scale, (int, float)) and not isinstance(scale, bool) and scale > 0 and
+            math.isfinite(scale)):
+        raise SpecError(f"scale={scale!r} must be a positive number",
+                        hint="the adapter's output variance as a share of the base layer's")
+    if not isinstance(name, str) or not name.isidentifier():
+        raise SpecError(f"adapter name {name!r} must be a Python identifier",
+                        hint='e.g. name="task_b"')
+    adapted, skipped, wrapped = [], [], {}
+    left_alone = _read_directly(model)
+    root = None
+    for path, module in list(model.named_modules(remove_duplicate=False)):
+        if isinstance(module, Adapted):
+            module, owner = module.base, module
+        elif isinstance(module, (nn.Linear, *_CONVS)) and not isinstance(module, Layer) and \
+                not _inside_adapted(model, path):
+            owner = None
+        else:
+            continue
+        if not _selected(path, module, include, exclude):
+            continue
+        if id(module) in wrapped:  # one module under several names: one Adapted for all
+            owner = wrapped[id(module)][0]
+            if path:
+                set_submodule(model, path, owner)
+            continue
+        try:
+            if path in left_alone:
+                raise SpecError(left_alone[path])
+            if isinstance(module, nn.modules.linear.NonDynamicallyQuantizableLinear):
+                raise SpecError("nn.MultiheadAttention reads this layer's weight directly")
+            if owner is not None and name in owner.adapters:
+                raise SpecError(f"it has an adapter named {name!r} already",
+                                hint="give another name=, or merge_adapters first")
+            _check_forward(module)
+            layer, scaling, pad, zeroed, note = adapter_layer(module, fmt, rank, scale, zero,
+                                                              sizes, options)
+        except SpecError as exc:
+            skipped.append((path or type(module).__name__, exc.message))
+            continue
+        owner = owner or Adapted(module)
+        owner.add(name, layer, scaling, pad, zeroed)
+        wrapped[id(module)] = (owner, path)
+        if path:
+            set_submodule(model, path, owner)
+        else:
+            root = owner
+        adapted.append(Adaptation(path, repr(module), layer.spec,
+                                  sum(p.numel() for p in layer.parameters()),
+                                  sum(p.numel() for p in module.parameters()), zeroed, note))
+    result = root if root is not None else model
+    if adapted:  # as get_peft_model: the new adapter alone trains
+        for p in result.parameters():
+            p.requires_grad_(False)
+        set_adapter(result, name)
+    params = list(result.parameters())
+    return result, AdaptReport(name, fmt if isinstance(fmt, str) and fmt in formats.NAMES
+                               else "spec", tuple(adapted), tuple(skipped),
+                               sum(p.numel() for p in params if p.requires_grad),
+                               sum(p.numel() for p in params))
+
+
+def _adapted(model: nn.Module) -> list[tuple[str, Adapted]]:
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, Adapted)]
+
+
+def set_adapter(model: nn.Module, name: str) -> None:
+    """Make adapter ``name`` the active one in every layer that has it (layers without it run
+    their base alone) and the only trainable adapter; other parameters keep their flags."""
+    found = False
+    for _, module in _adapted(model):
+        module.active = name if name in module.adapters else None
+        found |= name in module.adapters
+        for key, layer in module.adapters.items():
+            layer.requires_grad_(key == name)
+    if not found:
+        names = sorted({k for _, m in _adapted(model) for k in m.adapters})
+        raise SpecError(f"no layer has an adapter named {name!r}",
+                        hint=f"the adapters are {', '.join(names) or 'none (call adapt)'}")
+
+
+def _inside_adapted(model: nn.Module, path: str) -> bool:
+    """Whether the module at ``path`` sits inside an :class:`Adapted` (its base, an adapter)."""
+    parts = path.split(".")
+    return any(isinstance(model.get_submodule(".".join(parts[:i])), Adapted)
+               for i in range(len(parts)) if path)
+
+
+def adapter_layer(base: nn.Module, fmt: Fmt, rank: int | float | None, scale: float,
+                  zero: str | None, sizes: Mapping[str, int] | None,
+                  options: Mapping[str, Any]
+                  ) -> tuple[Layer, float, tuple[tuple[int, ...], str] | None, str, str]:
+    """The adapter for ``base``: ``(layer, scaling, pad, zeroed core, note)``, initialized;
+    a SpecError says why there is none."""
+    padding, pad = _padding(base)
+    if isinstance(fmt, str) and fmt in formats.NAMES:
+        if sizes:
+            raise SpecError("sizes= goes with a spec string", hint="give rank= for a format")
+        fmt = _built(base, fmt, 8 if rank is None else rank, padding, options)
+    elif rank is not None or options:
+        raise SpecError(f"rank= and format options go with a format name, not {fmt!r}",
+                        hint="give the ranks' sizes in sizes=")
+    net = _network(base, fmt, sizes or {})
+    differs = _geometry_differs(base, net)
+    if differs:
+        raise SpecError(f"the adapter's geometry differs from the layer's: {differs}")
+    given = geometry(net).convs
+    if any(c.padding for c in given):  # runs on the input as it comes: the base's padding
+        if tuple(c.padding for c in given) != padding:
+            raise SpecError(f"the adapter pads {tuple(c.padding for c in given)}, the layer "
+                            f"{getattr(base, 'padding', 0)} ({base.padding_mode})",
+                            hint="write the spec without padding: it then runs on the input "
+                            "padded as the layer pads it")
+        pad = None
+    weight = base.weight.detach()
+    out = weight.shape[0]
+    note = ""
+    variance = float(weight.double().pow(2).sum()) / out * scale
+    if not variance > 0 or not math.isfinite(variance):
+        variance = scale / (weight[0].numel() or 1)
+        note = "the base weight is zero or not finite: scaled for Kaiming's fan-in variance"
+    net = _with_options(net, init="graph-in", activation=1.0 / variance, bias=False)
+    cls = TensorizedLinear if isinstance(base, nn.Linear) else TensorizedConv
+    layer = cls(net, dtype=weight.dtype, device=weight.device)
+    zeroed = decompose.output_core(net) if zero is None else zero
+    stds = {c.core: c.std(net.sizes) for c in core_inits(net)}
+    if zeroed not in stds:
+        raise SpecError(f"zero={zero!r} is not a core of {net.spec}",
+                        hint=f"the cores are {', '.join(stds)}")
+    with torch.no_grad():
+        getattr(layer, zeroed).zero_()
+    return layer, stds[zeroed], pad, zeroed, note
+
+
+def _padding(base: nn.Module) -> tuple[Any, tuple[tuple[int, ...], str] | None]:
+    """``(padding, pad)``: the zero padding for an adapter run on the input as it comes (the
+    base's where it pads zeros equally on both sides of every axis, else 0) and ``F.pad``'s
+    arguments for one run on the input padded as the base pads it (None: no padding)."""
+    if isinstance(base, nn.Linear) or not any(base._reversed_padding_repeated_twice):
+        return 0, None
+    pads = tuple(base._reversed_padding_repeated_twice)
+    pad = (pads, "constant" if base.padding_mode == "zeros" else base.padding_mode)
+    left, right = pads[0::2][::-1], pads[1::2][::-1]
+    return (tuple(left) if base.padding_mode == "zeros" and left == right else 0), pad
+
+
+def _built(base: nn.Module, fmt: str, rank: int | float, padding: Any,
+           options: Mapping[str, Any]) -> formats.Format:
+    if isinstance(base, nn.Linear):
+        return formats.build(fmt, base.in_features, base.out_features, (), rank=rank,
+                             **options)
+    return formats.build(fmt, base.in_channels, base.out_channels, tuple(base.kernel_size),
+                         rank=rank, stride=tuple(base.stride), padding=padding,
+                         dilation=tuple(base.dilation), groups=base.groups, **options)
+
+
+def _network(base: nn.Module, fmt: Fmt, sizes: Mapping[str, int]) -> Network:
+    """``fmt`` compiled, with the channel and kernel sizes a spec string leaves out read
+    from ``base``."""
+    if isinstance(fmt, Network):
+        return fmt
+    if isinstance(fmt, formats.Format):
+        return compile(fmt.spec, sizes=fmt.sizes)
+    if not isinstance(fmt, str):
+        raise TypeError(f"adapt takes a format name, a spec string, a Network or a Format, not "
+                        f"{type(fmt).__name__}")
+    doc = parse(fmt)
+    if len(doc.layers) != 1 or len(doc.layers[0].networks) != 1:
+        raise SpecError(f"{fmt!r} is neither a format ({', '.join(formats.NAMES)}) nor one "
+                        "network", hint="compile a .tn file's layer and pass the Network")
+    node = doc.layers[0].networks[0]
+    x, y = node.operands[0].indices, node.output.indices
+    found: dict[str, int] = {}
+    groups = getattr(base, "groups", 1)
+    for axis, channels in ((x, _channels(base, "in")), (y, _channels(base, "out"))):
+        if len(axis) > 1 and axis[1].kind == "name":
+            found[axis[1].names[0]] = channels // groups
+    for k, (axis, out) in enumerate(zip(x[2:], y[2:])):
+        kernel = [n for n in axis.names if n not in out.names]
+        if len(kernel) == 1 and k < len(getattr(base, "kernel_size", ())):
+            found[kernel[0]] = base.kernel_size[k]
+    return compile(fmt, sizes={**found, **sizes})
+
+
+def _channels(base: nn.Module, side: str) -> int:
+    if isinstance(base, nn.Linear):
+        return base.in_features if side == "in" else base.out_features
+    return base.in_channels if side == "in" else base.out_channels
+
+
+def _geometry_differs(base: nn.Module, net: Network) -> str:
+    """What of ``net``'s geometry differs from ``base``'s ("" where nothing does; the padding
+    is left to the caller)."""
+    geo = geometry(net)
+    if geo is None:
+        return "it is neither conv-like nor linear-like"
+    attrs = nn_attributes(geo, net.sizes.__getitem__)
+    for key, value in attrs.items():
+        want = getattr(base, key)
+        if key != "padding" and value != (tuple(want) if isinstance(want, (tuple, list))
+                                          else want):
+            return f"{key} {value} where the layer has {want}"
+    return ""

@@ -1,0 +1,306 @@
+"""``tnspec.compress``: a trained model at a parameter budget, with the format and rank of each
+layer chosen to lose the least, each candidate fitted to the data the layer sees.
+
+For every replaceable ``nn.Linear`` / ``nn.ConvNd`` (as :func:`tnspec.tensorize` selects them) a
+grid of candidates (formats x rank shares) is fitted to the trained weight: to the layer's
+outputs on the inputs that reach it where ``data`` is given (:meth:`Layer.fit_` with
+``inputs``), to the weight otherwise. Each candidate has a relative error ``e`` (of the outputs,
+or of the weight) and a parameter count. The allocation then solves
+
+    minimize  sum_l  s_l^2 e_l^2   over one choice per layer (a candidate, or the dense layer)
+    subject to  sum_l params_l <= budget * sum_l dense params_l
+
+exactly, as a multiple-choice knapsack (dynamic programming over parameter counts rounded up to
+a unit of at most 1/2000 of the budget, so that the budget holds without rounding error).
+``s_l`` is the layer's sensitivity: with ``data``, how much the model's output moves, relative to
+its size, when noise of relative size 1% is added to the layer's output (the errors of
+independent layers add in variance); without data, 1. With ``latency=True`` a candidate slower
+than its dense layer (forward and backward, timed on this device) is never chosen.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..errors import SpecError
+from ..progress import Progress
+from ..nn.module import Layer
+from . import observe
+from .merge import set_submodule
+from .tensorize import (_CONVS, Selector, _check_forward, _read_directly, _replacement,
+                        _selected, _tied)
+
+FORMATS = ("tucker2", "tt", "tr", "cp")
+SHARES = (0.05, 0.1, 0.2, 0.35, 0.5, 0.75)
+FIT = {"starts": 1, "hops": 0, "max_iter": 30, "tol": 1e-4, "max_seconds": 10.0,
+       "sweeps": 5}
+Timer = Callable[[nn.Module, tuple[int, ...]], float]
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One fitted option for a layer (``format`` "dense": the layer as it is)."""
+
+    format: str
+    share: float
+    params: int
+    error: float
+    seconds: float | None = None  # forward and backward, where latency was measured
+
+
+@dataclass(frozen=True)
+class Choice:
+    """What ``compress`` chose for one layer, and the options it had."""
+
+    name: str
+    dense_params: int
+    chosen: Candidate
+    candidates: tuple[Candidate, ...]
+    sensitivity: float
+    dense_seconds: float | None = None
+
+
+@dataclass(frozen=True)
+class CompressReport:
+    """The choice per layer, the skipped layers, the totals and the objective."""
+
+    budget: float
+    choices: tuple[Choice, ...]
+    skipped: tuple[tuple[str, str], ...]
+    data: bool
+    seconds: float
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def params_before(self) -> int:
+        """The parameters of the layers considered, as they were (dense)."""
+        return sum(c.dense_params for c in self.choices)
+
+    @property
+    def params_after(self) -> int:
+        """Their parameters after ``compress`` (at most ``budget * params_before``)."""
+        return sum(c.chosen.params for c in self.choices)
+
+    @property
+    def predicted_error(self) -> float:
+        """``sqrt(sum_l s_l^2 e_l^2)``: the model's relative output error the allocation
+        predicts (layers' errors independent)."""
+        return math.sqrt(sum((c.sensitivity * c.chosen.error) ** 2 for c in self.choices))
+
+    def __str__(self) -> str:
+        kind = "output" if self.data else "weight"
+        lines = [f"compress: {len(self.choices)} layer(s) at budget {self.budget:.0%}: "
+                 f"{self.params_before:,} -> {self.params_after:,} parameters "
+                 f"({self.params_after / max(self.params_before, 1):.1%}); predicted model "
+                 f"error {self.predicted_error:.4f}; {self.seconds:.0f} s",
+                 f"  {'layer':<24} {'chosen':<14} {'params':>18} {kind + ' error':>13} "
+                 f"{'sensitivity':>11} {'time':>6}"]
+        for c in self.choices:
+            chosen = c.chosen.format + ("" if c.chosen.format == "dense"
+                                        else f" {c.chosen.share:.0%}")
+            ratio = "" if c.chosen.seconds is None or not c.dense_seconds else \
+                f"{c.chosen.seconds / c.dense_seconds:.2f}x"
+            lines.append(f"  {c.name:<24} {chosen:<14} "
+                         f"{f'{c.dense_params:,} -> {c.chosen.params:,}':>18} "
+                         f"{c.chosen.error:>13.4f} {c.sensitivity:>11.3f} {ratio:>6}")
+        for name, why in self.skipped:
+            lines.append(f"  skipped {name}: {why}")
+        return "\n".join(lines)
+
+    def plot(self, path: str | None = None) -> Any:
+        """Per layer, the candidates' error against their parameters (the Pareto front) and the
+        choice; saved to ``path`` when given. Needs matplotlib. Returns the figure."""
+        import matplotlib.pyplot as plt
+        n = len(self.choices)
+        cols = min(n, 4)
+        fig, axes = plt.subplots((n + cols - 1) // cols, cols, figsize=(3.2 * cols,
+                                 2.6 * ((n + cols - 1) // cols)), squeeze=False)
+        for ax, c in zip(axes.flat, self.choices):
+            for fmt in sorted({k.format for k in c.candidates} - {"dense"}):
+                pts = [(k.params, k.error) for k in c.candidates if k.format == fmt]
+                ax.plot(*zip(*sorted(pts)), marker=".", label=fmt)
+            ax.plot([c.chosen.params], [c.chosen.error], "k*", markersize=12, label="chosen")
+            ax.axvline(c.dense_params, color="grey", ls=":")
+            ax.set(title=c.name, xscale="log", xlabel="parameters", ylabel="error")
+        for ax in list(axes.flat)[n:]:
+            ax.axis("off")
+        axes.flat[0].legend(fontsize=6)
+        fig.tight_layout()
+        if path:
+            fig.savefig(path, dpi=120)
+        return fig
+
+
+def compress(model: nn.Module, budget: float = 0.25, formats: Sequence[str] = FORMATS, *,
+             data: torch.Tensor | Iterable[Any] | None = None, include: Selector = None,
+             exclude: Selector = None, latency: bool = False, shares: Sequence[float] = SHARES,
+             fit: Mapping[str, Any] | None = None, max_batches: int = 8,
+             timer: Timer | None = None) -> tuple[nn.Module, CompressReport]:
+    """Replace, in place, the selected ``nn.Linear`` / ``nn.Conv1d/2d/3d`` layers of ``model``
+    (``include``/``exclude`` as :func:`tnspec.tensorize`) by tnspec layers of one of
+    ``formats`` at one of ``shares`` of their parameters, or keep them dense, so that the
+    replaced layers hold at most ``budget`` times their dense parameters (exactly, biases
+    included) and the predicted loss is least (the module docstring gives the rule).
+
+    ``data``: a tensor, or an iterable of batches (tensors, or tuples whose first item is the
+    input), run through the model (eval mode, no grad, at most ``max_batches``) to record what
+    reaches each layer; each candidate is then fitted to the layer's outputs, and each layer's
+    sensitivity measured. ``fit``: options of :meth:`Layer.fit_` (by default one start, no
+    hops, at most 30 sweeps stopping at a gain under 0.01%, 10 s a fit; with ``data``, 5 ALS
+    sweeps before the refit, ``sweeps`` of :func:`tnspec.fit.decompose.fit`). ``latency=True``
+    (needs ``data``) times every candidate and the dense layer, forward and backward, on the
+    input shape the layer saw, and drops candidates slower than dense; ``timer(module,
+    shape) -> seconds`` replaces that timing.
+
+    Returns ``(model, report)``; ``print(report)`` shows a row per layer, ``report.plot()``
+    the candidates. Nothing in the model changes until every fit is done: an error or Ctrl-C
+    before leaves it as it was."""
+    started = time.monotonic()
+    if not 0 < budget <= 1:
+        raise SpecError(f"budget={budget!r} is a share of the dense parameters",
+                        hint="a number in (0, 1], e.g. budget=0.25")
+    if latency and data is None:
+        raise SpecError("latency=True needs data= (the input shapes to time)")
+    unknown = sorted(set(fit or {}) - set(FIT))
+    if unknown:
+        raise SpecError(f"fit= has no option {unknown[0]!r}",
+                        hint=f"the options are {', '.join(FIT)}")
+    options = {**FIT, **dict(fit or {})}
+    left_alone = {**_read_directly(model), **_tied(model)}
+    layers, skipped = [], []
+    for name, module in model.named_modules():
+        if not isinstance(module, (nn.Linear, *_CONVS)) or isinstance(module, Layer) or \
+                not _selected(name, module, include, exclude):
+            continue
+        try:
+            if name in left_alone:
+                raise SpecError(left_alone[name])
+            _check_forward(module)
+        except SpecError as exc:
+            skipped.append((name, exc.message))
+            continue
+        layers.append((name, module))
+    if not layers:
+        raise SpecError("no layer to compress", hint="check include= and exclude=")
+    progress = Progress("compress")
+    seen = observe.inputs(model, layers, data, max_batches) if data is not None else {}
+    sensitivity = observe.sensitivities(model, layers, data) if data is not None else {}
+    choices, chosen_layers = [], {}
+    for name, module in layers:
+        dense_params = sum(p.numel() for p in module.parameters())
+        shape, metric = seen.get(name, (None, None))
+        time_of = (timer or _timed) if latency else None
+        dense_seconds = time_of(module, shape) if time_of else None
+        options_here: list[tuple[Candidate, Layer | None]] = [
+            (Candidate("dense", 1.0, dense_params, 0.0, dense_seconds), None)]
+        for fmt in formats:
+            for share in shares:
+                try:
+                    new = _replacement(module, fmt, share, "graph-in", "linear", {})
+                except SpecError:
+                    continue  # no rank within that share, or a layer this format cannot be
+                error = new._fit(module.weight.detach(), metric, **options)
+                if module.bias is not None:
+                    with torch.no_grad():
+                        new.bias.copy_(module.bias.reshape(new.bias.shape))
+                seconds = time_of(new, shape) if time_of else None
+                if seconds is not None and dense_seconds is not None and \
+                        seconds > dense_seconds:
+                    continue  # latency: never slower than the dense layer
+                params = sum(p.numel() for p in new.parameters())
+                if params < dense_params:
+                    options_here.append((Candidate(fmt, share, params, error, seconds), new))
+        choices.append((name, dense_params, options_here, sensitivity.get(name, 1.0),
+                        dense_seconds))
+        progress.line(f"{name}: {len(options_here) - 1} candidates fitted "
+                      f"({time.monotonic() - progress.start:.0f} s so far)")
+    picks = _allocate([[(c.params, (s * c.error) ** 2) for c, _ in opts]
+                       for _, _, opts, s, _ in choices], budget)
+    report_rows = []
+    for (name, dense_params, opts, s, dense_seconds), k in zip(choices, picks):
+        cand, new = opts[k]
+        if new is not None:
+            new.train(dict(layers)[name].training)
+            chosen_layers[name] = new
+        report_rows.append(Choice(name, dense_params, cand, tuple(c for c, _ in opts), s,
+                                  dense_seconds))
+    _apply(model, chosen_layers)
+    progress.close()
+    return model, CompressReport(budget, tuple(report_rows), tuple(skipped), data is not None,
+                                 time.monotonic() - started)
+
+
+def _allocate(items: list[list[tuple[int, float]]], budget: float, units: int = 2000
+              ) -> list[int]:
+    """The multiple-choice knapsack: per layer, the index of one ``(params, cost)`` item (item
+    0: dense) minimizing the total cost with ``sum params <= budget * sum dense params``."""
+    capacity_params = math.floor(budget * sum(layer[0][0] for layer in items))
+    unit = max(1, math.ceil(capacity_params / units))
+    capacity = capacity_params // unit
+    inf = math.inf
+    best = np.full(capacity + 1, inf)
+    best[0] = 0.0
+    back = []
+    for layer in items:
+        new = np.full(capacity + 1, inf)
+        arg = np.full(capacity + 1, -1, dtype=np.int64)
+        for k, (params, cost) in enumerate(layer):
+            need = -(-params // unit)  # rounded up: the budget holds exactly
+            if need > capacity:
+                continue
+            shifted = np.full(capacity + 1, inf)
+            shifted[need:] = best[:capacity + 1 - need] + cost
+            better = shifted < new
+            new[better], arg[better] = shifted[better], k
+        back.append(arg)
+        best = new
+    end = int(np.argmin(best))
+    if not math.isfinite(best[end]):
+        smallest = sum(min(p for p, _ in layer) for layer in items)
+        raise SpecError(f"budget={budget:g} is below what the smallest candidates need "
+                        f"({smallest:,} of {sum(layer[0][0] for layer in items):,} parameters)",
+                        hint="give a larger budget, more formats or smaller shares")
+    picks = []
+    for layer, arg in zip(reversed(items), reversed(back)):
+        k = int(arg[end])
+        picks.append(k)
+        end -= -(-layer[k][0] // unit)
+    return picks[::-1]
+
+
+def _apply(model: nn.Module, chosen: Mapping[str, nn.Module]) -> None:
+    """Set every chosen layer, or none: an interruption half-way puts the old ones back."""
+    old = {name: model.get_submodule(name) for name in chosen}
+    try:
+        for name, new in chosen.items():
+            set_submodule(model, name, new)
+    except BaseException:
+        for name, module in old.items():
+            set_submodule(model, name, module)
+        raise
+
+
+def _timed(module: nn.Module, shape: tuple[int, ...] | None, repeats: int = 7) -> float:
+    """Median seconds of ``module``'s forward and backward on a random input of ``shape``
+    (own generator; a contiguous gradient, as a next layer gives)."""
+    first = next(module.parameters())
+    gen = torch.Generator(device=first.device).manual_seed(0)
+    x = torch.randn(shape, generator=gen, dtype=first.dtype, device=first.device)
+    x.requires_grad_(True)
+    params = [p for p in module.parameters()]
+    spent = []
+    with torch.enable_grad():
+        for n in range(repeats + 2):  # two warm-up rounds: planning, autotuning
+            start = time.perf_counter()
+            y = module(x)
+            torch.autograd.grad(y, [x, *params], torch.ones_like(y))
+            if n >= 2:
+                spent.append(time.perf_counter() - start)
+    return sorted(spent)[len(spent) // 2]

@@ -1,0 +1,121 @@
+"""What a model's layers see: the inputs that reach them (recorded by forward pre-hooks, as the
+second moment ``tnspec.fit.moments`` builds) and how much the model's output depends on each
+layer's output (its sensitivity). The model is run in eval mode without gradients; its
+train/eval modes are restored after, whatever happens."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.utils._pytree
+from torch import nn
+
+from ..errors import SpecError
+from ..fit import moments
+
+
+def batches(data: Any, max_batches: int) -> list[torch.Tensor]:
+    if isinstance(data, torch.Tensor):
+        return [data]
+    out = []
+    for batch in data:
+        x = batch[0] if isinstance(batch, (tuple, list)) else batch
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"compress(data=...) batches must be tensors or tuples starting "
+                            f"with one, not {type(x).__name__}")
+        out.append(x)
+        if len(out) >= max_batches:
+            break
+    return out
+
+
+def inputs(model: nn.Module, layers: list[tuple[str, nn.Module]], data: Any,
+           max_batches: int) -> dict[str, tuple[tuple[int, ...], torch.Tensor]]:
+    """``{layer: (an input shape it saw, the metric factor of its inputs)}``."""
+    rows: dict[str, list[torch.Tensor]] = {name: [] for name, _ in layers}
+    shapes: dict[str, tuple[int, ...]] = {}
+
+    def hook(name: str, module: nn.Module) -> Callable:
+        def record(_: nn.Module, args: tuple) -> None:
+            x = args[0].detach()
+            shapes.setdefault(name, tuple(x.shape))
+            if isinstance(module, nn.Linear):
+                r = x.reshape(-1, x.shape[-1])
+            else:
+                x = x if x.dim() == len(module.kernel_size) + 2 else x.unsqueeze(0)
+                r = moments.patches(x, module.kernel_size, module.stride,
+                                    _padding(module), module.dilation)
+            keep = max(moments.MAX_ROWS // max_batches, 1)
+            if r.shape[0] > keep:
+                gen = torch.Generator().manual_seed(len(rows[name]))
+                r = r[torch.randperm(r.shape[0], generator=gen)[:keep].to(r.device)]
+            rows[name].append(r.double())
+        return record
+    _run(model, layers, data, max_batches, hook)
+    return {name: (shapes[name], moments.factor(torch.cat(rows[name]),
+                                                getattr(module, "groups", 1)))
+            for name, module in layers if rows[name]}
+
+
+def _padding(module: nn.Module) -> tuple[int, ...]:
+    if isinstance(module.padding, str):  # "same" / "valid", symmetric where tnspec takes it
+        pads = module._reversed_padding_repeated_twice
+        return tuple(pads[0::2][::-1])
+    return tuple(module.padding)
+
+
+def _run(model: nn.Module, layers: list[tuple[str, nn.Module]], data: Any, max_batches: int,
+         make_hook: Callable) -> None:
+    handles = [m.register_forward_pre_hook(make_hook(n, m)) for n, m in layers]
+    training = {m: m.training for m in model.modules()}
+    try:
+        model.eval()
+        with torch.no_grad():
+            for x in batches(data, max_batches):
+                model(x)
+    finally:
+        for h in handles:
+            h.remove()
+        for m, flag in training.items():
+            m.train(flag)
+
+
+def sensitivities(model: nn.Module, layers: list[tuple[str, nn.Module]], data: Any,
+                  noise: float = 0.01) -> dict[str, float]:
+    """Per layer: ``||f(x; layer output + noise) - f(x)|| / (noise ||f(x)||)`` for Gaussian
+    noise of ``noise`` times the output's rms (own generator), on the first batch."""
+    x = batches(data, 1)[0]
+    training = {m: m.training for m in model.modules()}
+    out = {}
+    try:
+        model.eval()
+        with torch.no_grad():
+            reference = _flat(model(x))
+            for name, module in layers:
+                gen = torch.Generator().manual_seed(0)
+
+                def perturb(_: nn.Module, args: tuple, y: torch.Tensor) -> torch.Tensor:
+                    rms = y.pow(2).mean().sqrt()
+                    return y + noise * rms * torch.randn(y.shape, generator=gen).to(y)
+                handle = module.register_forward_hook(perturb)
+                try:
+                    moved = _flat(model(x))
+                finally:
+                    handle.remove()
+                out[name] = float((moved - reference).norm() /
+                                  (noise * reference.norm() + 1e-30))
+    finally:
+        for m, flag in training.items():
+            m.train(flag)
+    return out
+
+
+def _flat(output: Any) -> torch.Tensor:
+    """A model's output (a tensor, or tensors in tuples, lists, dicts) as one flat tensor."""
+    leaves = [t.reshape(-1).float() for t in torch.utils._pytree.tree_leaves(output)
+              if isinstance(t, torch.Tensor)]
+    if not leaves:
+        raise SpecError(f"the model's output ({type(output).__name__}) holds no tensor",
+                        hint="compress measures sensitivities on the model's output")
+    return torch.cat(leaves)

@@ -1,0 +1,382 @@
+"""``tnspec.tensorize``: replace the ``nn.Conv1d/2d/3d`` and ``nn.Linear`` layers of an existing
+model by tensorial layers of a named format, either freshly initialized for the activation that
+follows them (Graph-in by default) or fitted to the trained weights they replace
+(``weights="fit"``). ``tnspec.merge`` (``tnspec.workflows.merge``) is the way back.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+from torch import nn
+
+from ..errors import SpecError
+from ..progress import Progress
+from ..fit import decompose
+from ..nn import formats, layout
+from ..nn.api import _with_options, compile
+from ..nn.embedding import replacing
+from ..nn.layout import LayoutChoice
+from ..nn.module import Layer
+from .activations import following_activations
+from .merge import set_submodule
+
+Selector = str | Sequence[str] | Callable[[str, nn.Module], bool] | None
+_CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+
+
+class TensorizedLinear(Layer):
+    """A tnspec layer standing in for ``nn.Linear``: any number of leading dimensions."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = super().forward(x.reshape(-1, x.shape[-1]))
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+class TensorizedConv(Layer):
+    """A tnspec layer standing in for ``nn.ConvNd`` (batched or unbatched input, as every
+    conv-like layer)."""
+
+
+@dataclass(frozen=True)
+class Replacement:
+    """One replaced layer: its name, what it was, its format, and the parameter counts."""
+
+    name: str
+    before: str
+    spec: str
+    params_before: int
+    params_after: int
+    activation: str
+    activation_from: str
+    fit_error: float | None = None  # relative error of the fitted weight (weights="fit")
+    error_goal: float | None = None  # the error= asked for
+    note: str = ""  # what else the report should say of this layer
+
+
+@dataclass(frozen=True)
+class Report:
+    """What ``tensorize`` did: the layers replaced, those skipped (with why), the totals."""
+
+    format: str
+    replaced: tuple[Replacement, ...]
+    skipped: tuple[tuple[str, str], ...]  # (name, why), in model order
+    params_before: int
+    params_after: int
+    skipped_kinds: tuple[str, ...] = ()  # the module type of each skipped layer
+    other: tuple[tuple[str, int], ...] = ()  # kinds with parameters tensorize never replaces
+    layout: LayoutChoice | None = None  # memory_format=: what the model was left in, and why
+
+    def __str__(self) -> str:
+        lines = [f"tensorize: {len(self.replaced)} layer(s) to {self.format}, "
+                 f"{len(self.skipped)} skipped; model parameters {self.params_before:,} -> "
+                 f"{self.params_after:,} ({self.params_before / max(self.params_after, 1):.1f}x "
+                 "fewer)"]
+        if self.layout is not None:
+            lines.append(f"  {self.layout}")
+        for r in self.replaced:
+            lines.append(f"  {r.name}: {r.before}")
+            how = (f"init for {r.activation} ({r.activation_from})" if r.fit_error is None
+                   else f"fitted to its weights, relative error {r.fit_error:.4f}")
+            lines.append(f"      {r.params_before:,} -> {r.params_after:,} params, {how}")
+            if r.note:
+                lines.append(f"      {r.note}")
+        groups: dict[tuple[str, str], list[str]] = {}
+        for (name, why), kind in zip(self.skipped,
+                                     self.skipped_kinds or ("layer",) * len(self.skipped)):
+            groups.setdefault((kind, why), []).append(name)
+        for (kind, why), names in groups.items():  # one line per kind and reason
+            shown = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
+            lines.append(f"  skipped {len(names)} x {kind} ({shown}): {why}")
+        if self.other:
+            lines.append("  not a kind tensorize replaces: " +
+                         ", ".join(f"{n} x {kind}" for kind, n in self.other))
+        return "\n".join(lines)
+
+
+def tensorize(model: nn.Module, format: str = "tucker2", *, rank: int | float = 0.5,
+              include: Selector = None, exclude: Selector = None, init: str = "graph-in",
+              activation: str | float | None = None, weights: str = "init",
+              error: float | None = None, fit: Mapping[str, Any] | None = None,
+              memory_format: str | torch.memory_format | None = None,
+              example: torch.Tensor | Sequence[int] | None = None,
+              **options: Any) -> tuple[nn.Module, Report]:
+    """Replace, in place, every ``nn.Conv1d/2d/3d`` and ``nn.Linear`` of ``model`` selected by
+    ``include``/``exclude`` (glob patterns on qualified names such as ``"features.*"``, or a
+    function of ``(name, module)``) by a tnspec layer of ``format`` (a name of
+    :data:`tnspec.formats.NAMES`) with the same stride, padding, dilation, groups and bias.
+    ``rank`` is an int or a share of each dense layer's parameters; ``options`` go to
+    :func:`tnspec.formats.build` (``phi``, ``in_modes``, ...; ``rank_multiple=16`` rounds each
+    share's rank down to a multiple of 16, which CPU convolutions run faster). Each layer is
+    initialized with ``init`` for the activation that follows it in the model (read from
+    ``torch.fx`` or the order of an ``nn.Sequential``) unless ``activation`` is given. Layers
+    that cannot be expressed (reflect padding, asymmetric 'same' padding, a rank too small) are
+    skipped and listed in the report. Returns ``(model, report)``.
+
+    ``weights="fit"`` fits each new layer to the weight of the layer it replaces
+    (:meth:`Layer.fit_`) and copies the bias; the report gives each fit's relative error.
+    ``fit`` passes options to each fit: ``max_iter``, ``tol``, ``starts``, ``hops`` and
+    ``max_seconds`` (per fit; 60 by default), e.g. ``fit={"hops": 0, "max_seconds": 30}``. With
+    ``error=`` (0.1: 10%) the rank is chosen per layer instead of ``rank``: the smallest share of
+    the dense layer's parameters, found by bisection, whose fit reaches that error. A layer
+    whose goal is reached only with as many parameters as the dense one, or not at all, stays
+    dense, and the report says so.
+
+    ``memory_format`` lays out the whole model when it is done: ``torch.channels_last`` (or
+    ``channels_last_3d``, ``contiguous_format``) converts every 4-D (5-D) parameter and buffer;
+    ``"auto"`` times a training step on ``example`` (an input batch or its shape) as the model
+    is and channels-last end to end, and converts only where channels-last is clearly faster
+    (:mod:`tnspec.nn.layout`). The report says which, with the timings.
+
+    >>> net = nn.Sequential(nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.Flatten(),
+    ...                     nn.Linear(32 * 8 * 8, 10))
+    >>> net, report = tensorize(net, "cp", rank=8, include="0")
+    >>> print(report)
+    tensorize: 1 layer(s) to cp, 0 skipped; model parameters 25,130 -> 20,954 (1.2x fewer)
+      0: Conv2d(16, 32, kernel_size=(3, 3), stride=(1, 1), padding=(1, 1))
+          4,640 -> 464 params, init for relu (read from the model)
+    """
+    if format not in formats.NAMES:
+        raise SpecError(f"unknown format {format!r}",
+                        hint=f"choose one of {', '.join(formats.NAMES)}")
+    if weights not in ("init", "fit"):
+        raise SpecError(f"weights={weights!r}", hint='"init" (a fresh init) or "fit" (fitted '
+                        "to the trained weights)")
+    if error is not None and (weights != "fit" or not 0 < error < 1):
+        raise SpecError(f"error={error!r} needs weights='fit' and a relative error in (0, 1)")
+    fit_options = _fit_options(fit, weights)
+    layout_asked = layout.resolve(memory_format, example)
+    unknown = sorted(set(options) - set(_FORMAT_OPTIONS))
+    if unknown:
+        where = "fit options go in fit={...}" if unknown[0] in _FIT_OPTIONS else \
+            "a format's options are " + ", ".join(_FORMAT_OPTIONS)
+        raise TypeError(f"tensorize() got an unexpected keyword argument {unknown[0]!r}; "
+                        f"{where}")
+    if error is None:  # else each layer's share is chosen by its fit
+        formats.check_rank_multiple(rank, options.get("rank_multiple", 1))
+    before = sum(p.numel() for p in model.parameters())
+    following = following_activations(model)
+    left_alone = {**_read_directly(model), **_tied(model)}  # {layer name: why}
+    replaced, skipped, kinds = [], [], []
+    other: dict[str, int] = {}
+    progress = Progress("tensorize")  # a line per layer where a person watches
+    for name, module in list(model.named_modules()):
+        if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and \
+                _selected(name, module, include, exclude):
+            try:
+                if name in left_alone:
+                    raise SpecError(left_alone[name])
+                new, fit_error = replacing(module, format, rank, weights, error, fit_options)
+            except SpecError as exc:
+                skipped.append((name, exc.message))
+                kinds.append(type(module).__name__)
+                continue
+            set_submodule(model, name, new)
+            replaced.append(Replacement(name, repr(module), new.spec if isinstance(new, Layer)
+                                        else new.rows.spec,
+                                        module.weight.numel(),
+                                        sum(p.numel() for p in new.parameters()), "linear",
+                                        "an embedding", fit_error, error))
+            continue
+        if not isinstance(module, (nn.Linear, *_CONVS)) or isinstance(module, Layer):
+            if not isinstance(module, Layer) and \
+                    next(module.parameters(recurse=False), None) is not None:
+                other[type(module).__name__] = other.get(type(module).__name__, 0) + 1
+            continue
+        if not _selected(name, module, include, exclude):
+            continue
+        act, source = (activation, "given") if activation is not None else \
+            following.get(name, ("linear", "no activation found after it"))
+        try:
+            if name in left_alone:
+                raise SpecError(left_alone[name])
+            _check_forward(module)
+            fit_error = None
+            if error is not None:
+                new, fit_error = _smallest(module, format, init, act, options, error,
+                                           fit_options)
+            else:
+                new = _replacement(module, format, rank, init, act, options)
+                if weights == "fit":
+                    fit_error = _fitted(new, module, fit_options)
+        except SpecError as exc:
+            skipped.append((name, exc.message))
+            kinds.append(type(module).__name__)
+            progress.line(f"{name}: skipped ({exc.message})")
+            continue
+        note = ""
+        if weights == "fit" and not module.weight.detach().any():
+            note = (f"the weight is all zero: cores at their Graph-in scale with "
+                    f"{decompose.output_core(new.network)} zeroed, so that it still trains")
+        _keep_state(module, new)
+        set_submodule(model, name, new)
+        replaced.append(Replacement(name, repr(module), new.spec,
+                                    sum(p.numel() for p in module.parameters()),
+                                    sum(p.numel() for p in new.parameters()), str(act), source,
+                                    fit_error, error, note))
+        progress.line(f"{name}: {type(module).__name__} -> {format}"
+                      + ("" if fit_error is None else f", fit error {fit_error:.4f}")
+                      + f" ({time.monotonic() - progress.start:.0f} s so far)")
+    after = sum(p.numel() for p in model.parameters())
+    chosen = layout.apply(model, layout_asked, example)
+    return model, Report(format, tuple(replaced), tuple(skipped), before, after, tuple(kinds),
+                         tuple(sorted(other.items())), chosen)
+
+
+def _tied(model: nn.Module) -> dict[str, str]:
+    """``{layer name: why}`` for the modules whose parameters are shared with another module,
+    or that are registered under two names: replacing one would untie them."""
+    owners: dict[int, list[str]] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        for p in module.parameters(recurse=False):
+            owners.setdefault(id(p), []).append(name)
+    tied: dict[str, str] = {}
+    for names in owners.values():
+        unique = list(dict.fromkeys(names))
+        for name in unique:
+            others = [n for n in unique if n != name]
+            if others:
+                tied[name] = (f"its parameters are shared with {others[0]!r} (tied weights); "
+                              "left alone so that they stay tied")
+    return tied
+
+
+def _check_forward(module: nn.Module) -> None:
+    """SpecError unless ``module`` computes what its base class does: a subclass that
+    overrides ``forward`` (a weight-standardized conv, a LoRA linear) is not its weight."""
+    base = next(b for b in (nn.Linear, *_CONVS) if isinstance(module, b))
+    for method in ("forward", "_conv_forward"):
+        if getattr(type(module), method, None) is not getattr(base, method, None):
+            raise SpecError(f"{type(module).__name__} overrides {method}: a layer of its weight "
+                            f"would not compute what it does")
+
+
+def _read_directly(model: nn.Module) -> dict[str, str]:
+    """``{layer name: why}`` for the layers whose weight their parent reads itself:
+    ``nn.TransformerEncoderLayer``/``DecoderLayer``'s feed-forward (their eval fast path)."""
+    found = {}
+    for name, module in model.named_modules():
+        if isinstance(module, (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)):
+            for child in ("linear1", "linear2"):
+                found[f"{name}.{child}" if name else child] = (
+                    f"{type(module).__name__} reads this layer's weight directly (its fast "
+                    "path in eval mode)")
+    return found
+
+
+def _keep_state(old: nn.Module, new: nn.Module) -> None:
+    """Carry train/eval mode and frozen parameters over to the module replacing ``old``."""
+    new.train(old.training)
+    for name, p in new.named_parameters():
+        p.requires_grad_((old.bias if name == "bias" else old.weight).requires_grad)
+
+
+def _replacement(module: nn.Module, format: str, rank: int | float, init: str,
+                 activation: str | float, options: dict[str, Any]) -> Layer:
+    """The tnspec layer for one dense layer; SpecError says why it cannot be."""
+    weight = module.weight
+    if isinstance(module, nn.modules.linear.NonDynamicallyQuantizableLinear):
+        raise SpecError("nn.MultiheadAttention reads this layer's weight directly")
+    if isinstance(module, nn.Linear):
+        fmt = formats.build(format, module.in_features, module.out_features, (), rank=rank,
+                            **options)
+        cls: type[Layer] = TensorizedLinear
+    else:
+        if module.padding_mode != "zeros":
+            raise SpecError(f"padding_mode={module.padding_mode!r}: tnspec pads with zeros")
+        padding = module.padding
+        if padding == "valid":
+            padding = 0
+        elif padding == "same":
+            total = [d * (k - 1) for d, k in zip(module.dilation, module.kernel_size)]
+            if any(t % 2 for t in total):
+                raise SpecError("padding='same' with an even dilated kernel pads one side "
+                                "more; tnspec pads both sides equally")
+            padding = tuple(t // 2 for t in total)
+        if module.groups == module.in_channels > 1 and format != "standard":
+            raise SpecError("a depthwise conv (groups = in_channels) has nothing to factorize")
+        fmt = formats.build(format, module.in_channels, module.out_channels,
+                            tuple(module.kernel_size), rank=rank, stride=tuple(module.stride),
+                            padding=padding, dilation=tuple(module.dilation),
+                            groups=module.groups, **options)
+        cls = TensorizedConv
+    net = _with_options(compile(fmt.spec, sizes=fmt.sizes), init=init, activation=activation,
+                        bias=module.bias is not None)
+    return cls(net, dtype=weight.dtype, device=weight.device)
+
+
+_FORMAT_OPTIONS = ("in_modes", "out_modes", "phi", "blocks", "rank_multiple")  # build's
+_FIT_OPTIONS = ("max_iter", "tol", "starts", "hops", "max_seconds")  # Layer.fit_'s
+
+
+def _fit_options(fit: Any, weights: str) -> dict[str, Any]:
+    """``fit=`` checked: a mapping of :meth:`Layer.fit_`'s options, with ``weights="fit"``."""
+    if fit is None:
+        return {}
+    if weights != "fit":
+        raise SpecError("fit= needs weights='fit'", hint="fit= sets how each layer is fitted "
+                        "to its trained weights")
+    if not isinstance(fit, Mapping):
+        raise TypeError(f"tensorize(fit=...) takes a dict of fit options, not "
+                        f"{type(fit).__name__}")
+    unknown = sorted(set(fit) - set(_FIT_OPTIONS))
+    if unknown:
+        raise TypeError(f"tensorize(fit=...) got an unexpected fit option {unknown[0]!r}; "
+                        f"the options are {', '.join(_FIT_OPTIONS)}")
+    decompose.check_options(**fit)
+    return dict(fit)
+
+
+def _fitted(new: Layer, module: nn.Module, fit: Mapping[str, Any]) -> float:
+    """Fit ``new`` to the dense ``module``'s weight, copy its bias; the relative error."""
+    err = new.fit_(module.weight.detach(), **fit)
+    if module.bias is not None:
+        with torch.no_grad():
+            new.bias.copy_(module.bias.reshape(new.bias.shape))
+    return err
+
+
+def _smallest(module: nn.Module, format: str, init: str, activation: str | float,
+              options: dict[str, Any], error: float, fit: Mapping[str, Any],
+              steps: int = 6) -> tuple[Layer, float]:
+    """The fitted layer of the smallest rank share (bisection on (0, 1]) reaching ``error``;
+    SpecError (the layer stays dense) where none does with fewer parameters than the dense
+    layer."""
+    best = _replacement(module, format, 1.0, init, activation, options)
+    best_error = _fitted(best, module, fit)
+    if best_error > error:
+        raise SpecError(f"kept dense: the goal error={error:g} is not reached even at the full "
+                        f"share (relative error {best_error:.4f} there)")
+    low, high = 0.0, 1.0
+    for _ in range(steps):
+        share = (low + high) / 2
+        try:
+            new = _replacement(module, format, share, init, activation, options)
+        except SpecError:  # no rank fits that share
+            low = share
+            continue
+        new_error = _fitted(new, module, fit)
+        if new_error <= error:
+            best, best_error, high = new, new_error, share
+        else:
+            low = share
+    dense = sum(p.numel() for p in module.parameters())
+    if sum(p.numel() for p in best.parameters()) >= dense:
+        raise SpecError(f"kept dense: the goal error={error:g} needs "
+                        f"{sum(p.numel() for p in best.parameters()):,} parameters, not fewer "
+                        f"than the dense layer's {dense:,}")
+    return best, best_error
+
+
+def _selected(name: str, module: nn.Module, include: Selector, exclude: Selector) -> bool:
+    def matches(selector: Selector) -> bool:
+        if callable(selector):
+            return bool(selector(name, module))
+        patterns = [selector] if isinstance(selector, str) else list(selector or ())
+        return any(fnmatch.fnmatchcase(name, p) for p in patterns)
+    return (include is None or matches(include)) and not (exclude is not None and
+                                                          matches(exclude))
