@@ -92,7 +92,7 @@ def run_tensorly(fmt: str, w: torch.Tensor, r: int) -> float:
             approx = torch.einsum("ijkl,oi,cj->ockl", core, *factors)
         else:
             approx = tl.tt_to_tensor(tensor_train(w, [1, r, r, r, 1]))
-    return tnspec.decompose.relative_error(approx, w)
+    return tnspec.fit.decompose.relative_error(approx, w)
 
 
 def run_tnspec(fmt: str, w: torch.Tensor, r: int) -> float:

@@ -126,7 +126,7 @@ def full_float32() -> Iterator[None]:
 
 def machine(device: torch.device = torch.device("cpu")) -> str:
     import opt_einsum
-    from tnspec.calibration import _cpu_name
+    from tnspec.planning.calibration import _cpu_name
     gpu = ""
     if device.type == "cuda":
         gpu = (f"{torch.cuda.get_device_name(device)} (CUDA {torch.version.cuda}, cuDNN "

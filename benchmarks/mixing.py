@@ -25,7 +25,7 @@ from anchors import conv_formats  # noqa: E402
 from harness import activation_bytes, fwd_bwd, interleaved, machine, steady_malloc  # noqa: E402
 
 import tnspec  # noqa: E402
-from tnspec import products  # noqa: E402
+from tnspec.emit import products  # noqa: E402
 
 ROUNDS, BATCH = 21, 32
 
@@ -70,7 +70,8 @@ def main(argv: list[str] | None = None) -> None:
     rounds = args.rounds
     print(machine())
     print(steady_malloc())
-    tnspec.calibration.chooser = lambda *a, **k: lambda step: "einsum"  # every mixing a product
+    # every mixing a product
+    tnspec.planning.calibration.chooser = lambda *a, **k: lambda step: "einsum"
     torch.manual_seed(0)
     x = torch.randn(BATCH, 96, 32, 32, requires_grad=True)
     print(f"forward + backward, median of {rounds} interleaved rounds, input {tuple(x.shape)}, "

@@ -18,9 +18,9 @@ import time
 from pathlib import Path
 
 import tnspec
-from tnspec.formats import random as random_format
+from tnspec.nn.formats import random as random_format
 from tnspec.shapes import bind_shape
-from tnspec.plan import Problem, plan
+from tnspec.planning.plan import Problem, plan
 
 HERE = Path(__file__).resolve().parent
 

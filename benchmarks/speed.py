@@ -174,7 +174,7 @@ def case(title: str, formats: list[Format], dense: nn.Module, x: torch.Tensor, r
 def ran(module: nn.Module) -> str | None:
     """The generated source a tnspec layer's last call ran (None for other modules)."""
     last = getattr(module, "_last_class", None)  # the class Layer.forward last dispatched to
-    return None if last is None else tnspec.runtime.source_of(last.forward)
+    return None if last is None else tnspec.emit.runtime.source_of(last.forward)
 
 
 def _same(a: dict, b: dict) -> bool:
@@ -235,7 +235,7 @@ def goals(rows: list[dict]) -> str:
 def calibration_text(refresh: bool, device: torch.device = torch.device("cpu"),
                      dtype: torch.dtype = torch.float32) -> str:
     """The planner's cost model on ``device`` for ``dtype``, as `tnspec calibrate` shows it."""
-    from tnspec import calibration
+    from tnspec.planning import calibration
     if not calibration.enabled():
         return "Calibration: off (TNSPEC_CALIBRATE=0): the built-in constants"
     found = tnspec.calibrate(device, dtype, refresh=refresh)

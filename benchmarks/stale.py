@@ -96,8 +96,8 @@ def first_calls(names: list[str]) -> dict[str, str]:
     for name, (layer, shape) in layers(names).items():
         work.said.clear()
         layer(torch.randn(shape))
-        model = tnspec.runtime.source_of(layer._planned(tuple(shape)).forward)
-        ran = tnspec.runtime.source_of(layer._last_class.forward)
+        model = tnspec.emit.runtime.source_of(layer._planned(tuple(shape)).forward)
+        ran = tnspec.emit.runtime.source_of(layer._last_class.forward)
         did[name] = (work.said[-1] if work.said else "?") + \
             ("" if ran == model else " -> another order")
     return did
@@ -115,8 +115,8 @@ def phase_quiet(names: list[str], rounds: int) -> None:
         x = torch.randn(shape, requires_grad=True)
         layer(x)
         runs_ = layer._last_class, layer._planned(tuple(shape))
-        same = tnspec.runtime.source_of(runs_[0].forward) == \
-            tnspec.runtime.source_of(runs_[1].forward)
+        same = tnspec.emit.runtime.source_of(runs_[0].forward) == \
+            tnspec.emit.runtime.source_of(runs_[1].forward)
         steps = []
         for cls in runs_:
             steps.append(fwd_bwd(_Fixed(layer, cls), x))

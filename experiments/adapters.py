@@ -45,7 +45,7 @@ RATES = {"full": (1e-3, 3e-3)}  # adapters: (3e-3, 1e-2)
 
 
 # (a base layer, the input shape) over what nn.Conv1d/2d/3d and nn.Linear accept: the matrix
-# tests/test_adapters.py checks tnspec's adapters on, and --geometries runs PEFT's through
+# tests/workflows/test_adapters.py checks tnspec's adapters on, and --geometries runs PEFT's through
 GEOMETRIES = {
     "linear": (lambda: nn.Linear(12, 10), (5, 12)),
     "linear-3d-input": (lambda: nn.Linear(12, 10, bias=False), (2, 3, 12)),

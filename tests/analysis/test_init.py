@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import tnspec
-from tnspec.analysis.backbone.init import core_inits
+from tnspec.analysis.init import core_inits
 
 from ..conftest import EXAMPLES
 
@@ -157,7 +157,7 @@ def test_reset_parameters_redraws_and_respects_the_seed():
 
 
 def test_activation_scales():
-    from tnspec.analysis.backbone.init import activation_scale
+    from tnspec.analysis.init import activation_scale
     from tnspec.ir import Options
     assert activation_scale(Options(activation="relu")) == 0.5
     assert activation_scale(Options(activation="tanh")) == 1.0

@@ -199,7 +199,7 @@ def test_generated_source_does_not_depend_on_the_process_hash_seed(tmp_path):
     different set orders) write the same text, for every example and some random formats,
     and give its code the same fingerprint (what the autotuner's cache recalls orders by)."""
     code = ("import sys, pathlib, tnspec\n"
-            "from tnspec import runtime\n"
+            "from tnspec.emit import runtime\n"
             "from tnspec.shapes import example_shape\n"
             "for p in sorted(pathlib.Path(sys.argv[1], 'examples').glob('*.tn')):\n"
             "    print(tnspec.generate(p.read_text()))\n"

@@ -139,7 +139,8 @@ def test_channel_mixing_by_einsum_keeps_no_copy_of_the_data_for_backward(monkeyp
     (an einsum would copy the data channels-last and keep that copy for backward), over a
     channels-last one the einsum itself, whose permute is then a view. Either way nothing
     input-sized but the input itself is saved, and the result is the dense conv's."""
-    monkeypatch.setattr(tnspec.calibration, "chooser", lambda *a, **k: lambda step: "einsum")
+    monkeypatch.setattr(tnspec.planning.calibration, "chooser",
+                        lambda *a, **k: lambda step: "einsum")
     layer = tnspec.layer("x[b, c, h+kh-1, w+kw-1], A[c, r], KH[kh, r], KW[kw, r], B[r, o] "
                          "-> y[b, o, h, w]", c=24, o=24, r=3, kh=3, kw=3, planner="left-to-right",
                          autotune=False)

@@ -64,7 +64,7 @@ def test_under_autocast_a_layer_is_planned_for_autocasts_dtype(monkeypatch):
     contraction runs in: planned once for float32 and once for bfloat16, each kept."""
     asked = []
     real = tnspec.planning.calibration.cost_model
-    monkeypatch.setattr(tnspec.calibration, "cost_model",
+    monkeypatch.setattr(tnspec.planning.calibration, "cost_model",
                         lambda device, dtype: asked.append(dtype) or real(device, dtype))
     layer = tnspec.layer(CONV, **CONV_SIZES)
     x = torch.randn(2, 8, 7, 7)

@@ -38,7 +38,8 @@ def test_zoo_channel_mixing_as_1x1_convs_in_both_layouts(fmt, dims, stride, pad,
                                                          monkeypatch):
     """At the zoo's sizes the cost model mixes channels by einsum; forced to 1x1 convs, a
     contiguous input runs them 1-D over the flattened axes, a channels-last one 2-D."""
-    monkeypatch.setattr(tnspec.calibration, "chooser", lambda *a, **k: lambda step: "conv1x1")
+    monkeypatch.setattr(tnspec.planning.calibration, "chooser",
+                        lambda *a, **k: lambda step: "conv1x1")
     text, sizes, shape = spec(fmt, dims, stride, pad, dilation)
     torch.manual_seed(0)
     module = tnspec.layer(text, dtype=torch.float64, **sizes)
@@ -213,7 +214,7 @@ def test_autotune_does_not_time_an_order_the_model_prices_far_above_the_cheapest
     # it at 64 channels took minutes and gigabytes); greedy (~2.3x) is still timed
     module = tnspec.formats.build("odd", 32, 32, 3, rank=0.5, padding=1).layer(autotune=True)
     if prune is not None:
-        monkeypatch.setattr(tnspec.calibration, "PRUNE", prune)
+        monkeypatch.setattr(tnspec.planning.calibration, "PRUNE", prune)
     timed = []
 
     def fake(self, classes, shape, repeats, channels_last=False):
@@ -231,7 +232,8 @@ def test_a_new_batch_size_in_the_same_class_is_not_planned_again_and_the_cache_i
     module = tnspec.layer(text, **sizes)
     planned = []
     real = tnspec.nn.module.plan
-    monkeypatch.setattr(tnspec.module, "plan", lambda *a, **k: planned.append(a[0]) or real(*a, **k))
+    monkeypatch.setattr(tnspec.nn.module, "plan",
+                        lambda *a, **k: planned.append(a[0]) or real(*a, **k))
     for batch in (32, 30, 24, 33, 45):  # one class: nearest power of two is 32
         compare(module, torch.randn(batch, *shape))
     assert len(planned) == 1

@@ -181,7 +181,7 @@ def test_default_torch_compile_of_every_lowering_pattern_across_sizes(tmp_path, 
     torch._dynamo.reset()
     last = kind.endswith("channels_last")
     if "1x1" in kind:
-        monkeypatch.setattr(tnspec.calibration, "chooser",
+        monkeypatch.setattr(tnspec.planning.calibration, "chooser",
                             lambda *a, **k: lambda step: "conv1x1")
     model = _zoo_model(tmp_path, monkeypatch, kind.split()[0],
                        ("tucker2", "htk2") if "1x1" in kind else
