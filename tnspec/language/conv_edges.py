@@ -75,6 +75,8 @@ def relation(ix: IndexNode, core_names: set[str], out_names: set[str],
 
 def unique_relations(convs: list[tuple[Conv, IndexNode]], data: OperandNode,
                      report: Report) -> None:
+    """Each output position and each kernel index serves one affine index, and none is also a
+    plain index of the input."""
     plain = {n for ix in data.indices if ix.kind != "affine" for n in ix.names}
     for attr in ("target", "kernel"):
         seen: set[str] = set()
@@ -92,6 +94,8 @@ def unique_relations(convs: list[tuple[Conv, IndexNode]], data: OperandNode,
 
 
 def tensor(node: OperandNode, convs: list[tuple[Conv, IndexNode]]) -> Tensor:
+    """The operand as an IR :class:`~tnspec.ir.Tensor`: an affine axis is named by its
+    relation's text (``h+kh-1``), which the IR's roles and the planner key on."""
     by_node = {id(ix): conv for conv, ix in convs}
     axes = []
     for ix in node.indices:
