@@ -7,15 +7,20 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import warnings
 from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
+from torch.nn.utils.spectral_norm import SpectralNorm
+from torch.nn.utils.weight_norm import WeightNorm
 
 from ..errors import SpecError
+from ..shapes import geometry
 from ..nn.api import _with_options, compile
 from .adapters import (_CONVS, Adapted, TensorizedConv, TensorizedLinear, _adapted,
-                       _geometry_differs, set_adapter)
+                       _geometry_differs, _padding, set_adapter)
 from .merge import set_submodule
 
 FORMAT = "tnspec-adapters/1"  # the tag of adapter_state_dict's layout
@@ -57,6 +62,7 @@ def merge_adapters(model: nn.Module, name: str | Sequence[str] | None = None, *,
             raise SpecError(f"no layer has an adapter named {missing[0]!r}",
                             hint=f"the adapters are {', '.join(sorted(present)) or 'none'}")
     target = model if inplace else copy.deepcopy(model)
+    holders = _parameter_holders(target)
     merged: dict[int, nn.Module] = {}
     for path, module in list(target.named_modules(remove_duplicate=False)):
         if not isinstance(module, Adapted):
@@ -69,13 +75,49 @@ def merge_adapters(model: nn.Module, name: str | Sequence[str] | None = None, *,
                 weight = base.weight.detach().double()
                 for n in names:
                     weight = weight + module.delta_weight(n).to(weight.device)
-                with torch.no_grad():
-                    base.weight.copy_(weight.to(base.weight.dtype))
+                _write_weight(base, weight.to(base.weight.dtype), path, holders)
             merged[id(module)] = base
         if not path:
             return merged[id(module)]
         set_submodule(target, path, merged[id(module)])
     return target
+
+
+def _parameter_holders(model: nn.Module) -> dict[int, list[tuple[str, nn.Module]]]:
+    """Each parameter (by id) -> the modules that hold it as their own, with their names."""
+    holders: dict[int, list[tuple[str, nn.Module]]] = {}
+    for path, module in model.named_modules(remove_duplicate=False):
+        for p in module._parameters.values():
+            if p is not None:
+                holders.setdefault(id(p), []).append((path, module))
+    return holders
+
+
+def _write_weight(base: nn.Module, value: torch.Tensor, path: str,
+                  holders: dict[int, list[tuple[str, nn.Module]]]) -> None:
+    """Set ``base``'s weight to ``value`` so that the layer computes with it: a weight under a
+    parametrization (weight_norm, spectral_norm) becomes a plain parameter, since writing the
+    computed weight would be lost at the next call; a weight another module holds too (a
+    language model's head tied to its embedding) is replaced rather than written, with a
+    warning, so that the other module keeps what it had."""
+    if parametrize.is_parametrized(base, "weight"):
+        parametrize.remove_parametrizations(base, "weight", leave_parametrized=True)
+    for hook in list(base._forward_pre_hooks.values()):  # the hook-based forms, deprecated
+        if isinstance(hook, WeightNorm) and hook.name == "weight":
+            torch.nn.utils.remove_weight_norm(base)
+        elif isinstance(hook, SpectralNorm) and hook.name == "weight":
+            torch.nn.utils.remove_spectral_norm(base)
+    weight = base.weight
+    others = [name or "the model" for name, m in holders.get(id(weight), []) if m is not base]
+    if others:
+        warnings.warn(f"merge_adapters: layer {path!r} shares its weight with "
+                      f"{', '.join(map(repr, dict.fromkeys(others)))}; the merged layer gets a "
+                      "weight of its own (the tie is broken), and the other keeps the weight "
+                      "it had", stacklevel=3)
+        base.weight = nn.Parameter(value, requires_grad=weight.requires_grad)
+        return
+    with torch.no_grad():
+        weight.copy_(value)
 
 
 def adapter_state_dict(model: nn.Module) -> dict[str, Any]:
@@ -103,8 +145,9 @@ def load_adapters(model: nn.Module, state: Mapping[str, Any], *,
     if not isinstance(state, Mapping) or state.get("format") != FORMAT:
         raise SpecError("not an adapter state", hint="give what tnspec.adapter_state_dict "
                         "returned (torch.load it first)")
-    root = model
-    actives = []
+    # check, then change: every layer is found and every adapter rebuilt before the model is
+    # touched, so that an error leaves it as it was
+    planned = []
     for path, entry in state["layers"].items():
         try:
             module = model.get_submodule(path)
@@ -114,23 +157,28 @@ def load_adapters(model: nn.Module, state: Mapping[str, Any], *,
                                 hint="load onto the model the adapters were trained on, or "
                                 "pass strict=False") from None
             continue
-        owner = module if isinstance(module, Adapted) else Adapted(module)
-        if not isinstance(owner.base, (nn.Linear, *_CONVS)):
-            raise SpecError(f"layer {path!r} is a {type(owner.base).__name__}, not a linear or "
+        base = module.base if isinstance(module, Adapted) else module
+        if not isinstance(base, (nn.Linear, *_CONVS)):
+            raise SpecError(f"layer {path!r} is a {type(base).__name__}, not a linear or "
                             "conv layer")
-        for key, saved in entry["adapters"].items():
-            owner.add(key, _rebuilt(owner.base, path, key, saved), float(saved["scaling"]),
-                      None if saved["pad"] is None else
-                      (tuple(saved["pad"][0]), saved["pad"][1]), saved["zeroed"])
+        adapters = [(key, _rebuilt(base, path, key, saved), float(saved["scaling"]),
+                     None if saved["pad"] is None else
+                     (tuple(saved["pad"][0]), saved["pad"][1]), saved["zeroed"])
+                    for key, saved in entry["adapters"].items()]
+        planned.append((path, module, adapters, entry["active"]))
+    root = model
+    for path, module, adapters, _ in planned:
+        owner = module if isinstance(module, Adapted) else Adapted(module)
+        for key, layer, scaling, pad, zeroed in adapters:
+            owner.add(key, layer, scaling, pad, zeroed)
         if owner is not module:
             if path:
                 set_submodule(model, path, owner)
             else:
                 root = owner
-        actives.append(entry["active"])
     for p in root.parameters():
         p.requires_grad_(False)
-    for active in dict.fromkeys(a for a in actives if a):
+    for active in dict.fromkeys(a for *_, a in planned if a):
         set_adapter(root, active)
     return root
 
@@ -140,6 +188,13 @@ def _rebuilt(base: nn.Module, path: str, key: str, saved: Mapping[str, Any]) -> 
     differs = _geometry_differs(base, net)
     if differs:
         raise SpecError(f"adapter {key!r} of layer {path!r} does not fit it: {differs}")
+    pad = None if saved["pad"] is None else (tuple(saved["pad"][0]), saved["pad"][1])
+    given = tuple(c.padding for c in geometry(net).convs)
+    trained, here = _padding_text(given, pad), _padding_text((), _padding(base)[1])
+    if trained != here:
+        raise SpecError(f"adapter {key!r} of layer {path!r} was trained on a layer with "
+                        f"{trained}; this layer has {here}",
+                        hint="load it onto a copy of the model it was trained on")
     cls = TensorizedLinear if isinstance(base, nn.Linear) else TensorizedConv
     layer = cls(net, dtype=base.weight.dtype, device=base.weight.device)
     cores = dict(saved["cores"])
@@ -151,3 +206,16 @@ def _rebuilt(base: nn.Module, path: str, key: str, saved: Mapping[str, Any]) -> 
         with torch.no_grad():
             p.copy_(cores[n])
     return layer
+
+
+def _padding_text(given: tuple[int, ...], pad: tuple[tuple[int, ...], str] | None) -> str:
+    """Padding in words, alike for a layer and an adapter: the adapter's own (``given``, zeros
+    on both sides, in its spec) or ``F.pad``'s arguments (the layer's, or those an adapter runs
+    its input through)."""
+    if pad is not None:
+        left, right = pad[0][0::2][::-1], pad[0][1::2][::-1]
+        mode = "zeros" if pad[1] == "constant" else pad[1]
+        return f"padding {left}" + (f"/{right}" if left != right else "") + f" ({mode})"
+    if any(given):
+        return f"padding {given} (zeros)"
+    return "no padding"

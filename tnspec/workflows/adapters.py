@@ -76,7 +76,8 @@ class Adapted(nn.Module):
         pad = self.pads[self.active]
         if pad is not None:
             x = F.pad(x, pad[0], mode=pad[1])
-        return torch.add(y, self.adapters[self.active](x), alpha=self.scaling[self.active])
+        # not torch.add(..., alpha=): inductor (torch 2.13) drops alpha after a matmul
+        return y + self.scaling[self.active] * self.adapters[self.active](x)
 
     def delta_weight(self, name: str) -> torch.Tensor:
         """Adapter ``name`` as a dense weight of the base's shape, in float64."""
@@ -237,16 +238,15 @@ def _adapted(model: nn.Module) -> list[tuple[str, Adapted]]:
 def set_adapter(model: nn.Module, name: str) -> None:
     """Make adapter ``name`` the active one in every layer that has it (layers without it run
     their base alone) and the only trainable adapter; other parameters keep their flags."""
-    found = False
-    for _, module in _adapted(model):
-        module.active = name if name in module.adapters else None
-        found |= name in module.adapters
-        for key, layer in module.adapters.items():
-            layer.requires_grad_(key == name)
-    if not found:
-        names = sorted({k for _, m in _adapted(model) for k in m.adapters})
+    modules = [m for _, m in _adapted(model)]
+    if not any(name in m.adapters for m in modules):  # checked before anything changes
+        names = sorted({k for m in modules for k in m.adapters})
         raise SpecError(f"no layer has an adapter named {name!r}",
                         hint=f"the adapters are {', '.join(names) or 'none (call adapt)'}")
+    for module in modules:
+        module.active = name if name in module.adapters else None
+        for key, layer in module.adapters.items():
+            layer.requires_grad_(key == name)
 
 
 def _inside_adapted(model: nn.Module, path: str) -> bool:

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..errors import SpecError
 from .adapters import _CONVS, adapter_layer, delta_weight
 
 
@@ -33,6 +34,13 @@ def register_peft(config: Any, fmt: str = "tt", *, scale: float = 1.0,
     return config
 
 
+def _registered(config: Any, base: nn.Module) -> type | None:
+    """The tnspec layer class ``config`` registered for ``base``'s type, or None."""
+    mapping = getattr(config, "_custom_modules", None) or {}
+    cls = next((v for k, v in mapping.items() if isinstance(base, k)), None)
+    return cls if hasattr(cls, "tn_format") else None
+
+
 def _layer_class(fmt: str, scale: float, options: dict[str, Any]) -> type:
     from peft.tuners.lora import LoraLayer
     from peft.tuners.tuners_utils import check_adapters_to_merge
@@ -42,6 +50,7 @@ def _layer_class(fmt: str, scale: float, options: dict[str, Any]) -> type:
 
         adapter_layer_names = ("lora_tn",)
         other_param_names = ("r", "lora_alpha", "scaling", "lora_dropout")
+        tn_format, tn_scale, tn_options = fmt, scale, options  # what register_peft was given
 
         def __init__(self, base_layer: nn.Module, adapter_name: str, r: int = 8,
                      lora_alpha: int = 8, **kwargs: Any) -> None:
@@ -53,9 +62,17 @@ def _layer_class(fmt: str, scale: float, options: dict[str, Any]) -> type:
             self.update_layer(adapter_name, r, lora_alpha)
 
         def update_layer(self, adapter_name: str, r: int, lora_alpha: int | None = None,
-                         **kwargs: Any) -> None:
-            layer, scaling, pad, _, _ = adapter_layer(self.get_base_layer(), fmt, r, scale,
-                                                      None, None, options)
+                         config: Any = None, **kwargs: Any) -> None:
+            # PEFT's add_adapter calls this on the layer an earlier config built: the format
+            # is the one this adapter's own config registered, not the first one's
+            cls = type(self) if config is None else _registered(config, self.get_base_layer())
+            if cls is None:
+                raise SpecError(f"the config of adapter {adapter_name!r} registers no tnspec "
+                                f"format for {type(self.get_base_layer()).__name__}, and this "
+                                "layer holds tnspec adapters",
+                                hint="pass it through tnspec.register_peft(config, fmt) first")
+            layer, scaling, pad, _, _ = adapter_layer(self.get_base_layer(), cls.tn_format, r,
+                                                      cls.tn_scale, None, None, cls.tn_options)
             self.r[adapter_name], self.lora_alpha[adapter_name] = r, lora_alpha
             self.scaling[adapter_name], self.tn_pad[adapter_name] = scaling, pad
             self.lora_tn[adapter_name] = layer
@@ -99,7 +116,9 @@ def _layer_class(fmt: str, scale: float, options: dict[str, Any]) -> type:
                 if adapter in self.lora_tn:
                     pad = self.tn_pad[adapter]
                     xa = x if pad is None else F.pad(x, pad[0], mode=pad[1])
-                    y = torch.add(y, self.lora_tn[adapter](xa), alpha=self.scaling[adapter])
+                    # not torch.add(..., alpha=): inductor (torch 2.13) drops alpha after a
+                    # matmul
+                    y = y + self.scaling[adapter] * self.lora_tn[adapter](xa)
             return y
 
         def __repr__(self) -> str:

@@ -1,0 +1,185 @@
+"""Adapters on what real models hold: a weight tied to another module, a parametrized weight
+(weight_norm, spectral_norm), ``torch.compile``, adapters saved from one geometry and loaded onto
+another, switching to a name that does not exist. Each case once gave a silently wrong result or
+left the model changed before an error."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.utils import parametrizations
+
+import tnspec
+
+
+def _nudged(model: nn.Module, seed: int = 0) -> nn.Module:
+    """Every adapter core drawn at random: the adapter away from its exact zero at init."""
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for _, m in model.named_modules():
+            if isinstance(m, tnspec.Adapted):
+                for layer in m.adapters.values():
+                    for p in layer.parameters():
+                        p.normal_(0, 0.5)
+    return model
+
+
+def _state(model: nn.Module) -> dict[str, tuple[torch.Tensor, bool]]:
+    """Every parameter and buffer by name, with its value and requires_grad flag; the module
+    structure by the types along each name."""
+    out = {n: (p.detach().clone(), p.requires_grad) for n, p in model.named_parameters()}
+    out |= {n: (b.detach().clone(), False) for n, b in model.named_buffers()}
+    out["structure"] = (torch.tensor([hash(tuple((n, type(m).__name__) for n, m in
+                                                  model.named_modules()))]), False)
+    out["active"] = (torch.tensor([hash(tuple(
+        (n, m.active, m.disabled, tuple(p.requires_grad for p in m.adapters.parameters()))
+        for n, m in model.named_modules() if isinstance(m, tnspec.Adapted)))]), False)
+    return out
+
+
+def _same_state(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(
+        torch.equal(a[k][0], b[k][0]) and a[k][1] == b[k][1] for k in a)
+
+
+class TiedLM(nn.Module):
+    """A language model's head tied to its token embedding, as GPT-2's and BERT's are."""
+
+    def __init__(self, vocab: int = 50, width: int = 16) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.body = nn.Linear(width, width)
+        self.head = nn.Linear(width, vocab, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.body(self.embed(ids))))
+
+
+def test_merging_an_adapter_of_a_tied_head_leaves_the_embedding_alone():
+    torch.manual_seed(0)
+    model = TiedLM()
+    embedding = model.embed.weight.detach().clone()
+    model, report = tnspec.adapt(model, "low_rank", rank=2)
+    assert {a.name for a in report.adapted} == {"body", "head"}
+    _nudged(model)
+    ids = torch.randint(0, 50, (3, 7))
+    with torch.no_grad():
+        want = model(ids)
+    with pytest.warns(UserWarning, match=r"'head' shares its weight with 'embed'"):
+        merged = tnspec.merge_adapters(model)
+    assert torch.equal(merged.embed.weight, embedding)  # the embedding did not take the delta
+    assert merged.head.weight is not merged.embed.weight
+    with torch.no_grad():
+        torch.testing.assert_close(merged(ids), want, rtol=1e-5, atol=1e-5)
+    # in place as well: the shared tensor is never written
+    with pytest.warns(UserWarning, match="shares its weight"):
+        tnspec.merge_adapters(model, inplace=True)
+    assert torch.equal(model.embed.weight, embedding)
+
+
+@pytest.mark.parametrize("kind", ["linear", "conv"])
+def test_a_compiled_adapted_model_computes_what_eager_does(kind):
+    torch.manual_seed(0)
+    base = nn.Linear(12, 8) if kind == "linear" else nn.Conv2d(4, 6, 3, padding=1)
+    x = torch.randn(5, 12) if kind == "linear" else torch.randn(2, 4, 6, 6)
+    model, _ = tnspec.adapt(nn.Sequential(base), "low_rank", rank=2)
+    _nudged(model)
+    with torch.no_grad():
+        eager = model(x)
+        torch._dynamo.reset()
+        compiled = torch.compile(model)(x)
+    # the adapter's share of the output is not small: dropping its scaling would show
+    assert (eager - base(x)).abs().max() > 0.1 * eager.abs().max()
+    torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("parametrize", [
+    lambda m: parametrizations.weight_norm(m, dim=2),
+    parametrizations.spectral_norm,
+    lambda m: torch.nn.utils.weight_norm(m, dim=2),
+], ids=["weight_norm", "spectral_norm", "old_weight_norm"])
+def test_merging_into_a_parametrized_weight_keeps_the_adapter(parametrize):
+    """A positional conv under weight_norm (wav2vec2's) and a spectrally normed layer: the
+    merged model computes what the adapted one did."""
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # the old weight_norm is deprecated
+        conv = parametrize(nn.Conv1d(8, 8, 5, padding=2, groups=2))
+    model, report = tnspec.adapt(nn.Sequential(conv), "low_rank", rank=2)
+    assert not report.skipped
+    _nudged(model)
+    model.eval()  # spectral_norm's power iteration runs in training mode only
+    x = torch.randn(2, 8, 20)
+    with torch.no_grad():
+        want, base = model(x), conv(x)
+    assert (want - base).abs().max() > 0.1 * want.abs().max()
+    merged = tnspec.merge_adapters(model).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(merged(x), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("saved, loaded, why", [
+    (dict(padding=1, padding_mode="reflect"), dict(padding=1), "reflect"),
+    (dict(padding=1), dict(padding=0), "padding"),
+])
+def test_adapters_load_only_onto_the_padding_they_were_trained_with(saved, loaded, why):
+    torch.manual_seed(0)
+    model, _ = tnspec.adapt(nn.Sequential(nn.Conv2d(4, 6, 3, **saved)), "cp", rank=2)
+    state = tnspec.adapter_state_dict(_nudged(model))
+    other = nn.Sequential(nn.Conv2d(4, 6, 3, **loaded))
+    before = _state(other)
+    with pytest.raises(tnspec.SpecError, match=f"layer '0'.*{why}"):
+        tnspec.load_adapters(other, state)
+    assert _same_state(_state(other), before)
+
+
+def test_setting_an_adapter_that_does_not_exist_changes_nothing():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 6), nn.ReLU(), nn.Linear(6, 3))
+    model, _ = tnspec.adapt(model, "low_rank", rank=2, name="a")
+    model, _ = tnspec.adapt(model, "cp", rank=2, name="b", include=["0"])
+    before = _state(model)
+    with pytest.raises(tnspec.SpecError, match="no layer has an adapter named 'typo'"):
+        tnspec.set_adapter(model, "typo")
+    assert _same_state(_state(model), before)
+    assert [m.active for _, m in model.named_modules() if isinstance(m, tnspec.Adapted)] == \
+        ["b", None]
+
+
+def test_a_failed_load_leaves_the_model_as_it_was():
+    torch.manual_seed(0)
+    model, _ = tnspec.adapt(nn.Sequential(nn.Linear(6, 6), nn.Linear(6, 4)), "low_rank", rank=2)
+    state = copy.deepcopy(tnspec.adapter_state_dict(_nudged(model)))
+    core = next(iter(state["layers"]["1"]["adapters"]["default"]["cores"]))
+    state["layers"]["1"]["adapters"]["default"]["cores"][core] = torch.zeros(1)  # broken
+    fresh = nn.Sequential(nn.Linear(6, 6), nn.Linear(6, 4))
+    before = _state(fresh)
+    with pytest.raises(tnspec.SpecError, match="layer '1'"):
+        tnspec.load_adapters(fresh, state)
+    assert _same_state(_state(fresh), before)
+    assert not any(isinstance(m, tnspec.Adapted) for m in fresh.modules())
+
+
+def test_peft_builds_each_adapter_in_the_format_its_own_config_registered():
+    peft = pytest.importorskip("peft")
+    from tnspec.workflows.peft_bridge import register_peft
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Conv2d(4, 8, 3, padding=1), nn.ReLU(), nn.Flatten(),
+                         nn.Linear(8 * 36, 6))
+    model = peft.get_peft_model(copy.deepcopy(base), register_peft(
+        peft.LoraConfig(r=2, target_modules=["0", "3"]), "tr"))
+    model.add_adapter("b", register_peft(peft.LoraConfig(r=2, target_modules=["0", "3"]), "cp"))
+    for i in (0, 3):
+        layer = model.base_model.model[i]
+        want = {name: tnspec.adapt(nn.Sequential(copy.deepcopy(base[i])), fmt, rank=2)[0][0]
+                .adapters["default"].spec for name, fmt in (("default", "tr"), ("b", "cp"))}
+        assert {name: layer.lora_tn[name].spec for name in want} == want
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with pytest.raises(tnspec.SpecError, match="(?s)registers no tnspec format.*register_peft"):
+        model.add_adapter("c", peft.LoraConfig(r=2, target_modules=["0", "3"]))
+    assert {n for n, _ in model.named_parameters()} == set(before)
