@@ -120,15 +120,18 @@ class Relayout:
 
 @dataclass(frozen=True)
 class CheckIndex:
-    """An index input: raise TypeError unless ``var`` holds integers, ValueError unless it has
+    """An index input: raise TypeError unless ``var`` holds integers (other than int32 and
+    int64, which ``index_select`` takes, they become int64), ValueError unless it has
     ``dims`` axes (None: any number), IndexError unless every index lies in
-    ``[0, vocabulary)`` (in eager mode: a traced or scripted module leaves the bounds to
-    ``index_select``)."""
+    ``[0, vocabulary)``. A traced or scripted module cannot read the bounds: there an index
+    outside them becomes ``rows`` (the table's rows, one past its last), which
+    ``index_select`` refuses; left as it is, a negative one would wrap around to a row."""
 
     var: str
     tensor: str
     vocabulary: Size
     dims: int | None = None
+    rows: Size | None = None
 
 
 @dataclass(frozen=True)
@@ -305,8 +308,11 @@ def reads(node: Node) -> set[str]:
     elif isinstance(node, Bias):
         found.add(node.var)
         visit(node.shape)
-    elif isinstance(node, (CompileCopy, Relayout, CheckIndex)):
+    elif isinstance(node, (CompileCopy, Relayout)):
         found.add(node.var)
+    elif isinstance(node, CheckIndex):
+        found.add(node.var)
+        visit([node.vocabulary, node.rows])
     elif isinstance(node, Unflatten):
         found |= {node.var, node.like}
         visit(node.dims)

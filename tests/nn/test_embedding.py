@@ -110,6 +110,36 @@ def test_vocabulary_smaller_than_the_modes_is_the_range():
         emb(torch.tensor([30522]))
 
 
+@pytest.mark.parametrize("vocab", [1000, 998])  # 998: the modes (10, 10, 10) hold two more
+def test_a_compiled_or_scripted_embedding_refuses_what_eager_refuses(vocab):
+    """Traced, the bounds cannot be read without a graph break: an index outside the
+    vocabulary is sent one past the table, which the gather refuses (a negative one would
+    otherwise wrap around to a row, as Python indexing does)."""
+    torch.manual_seed(0)
+    emb = tnspec.embedding("tt", vocab, 8, rank=2, modes=((10, 10, 10), (2, 2, 2)))
+    ids = torch.tensor([[0, 7, vocab - 1]])
+    torch._dynamo.reset()
+    compiled = torch.compile(emb)
+    params = ", ".join(f"{k}={v}" for k, v in emb.sizes.items())
+    text = f"layer emb({params}) {{\n  num_embeddings: {vocab}\n  {emb.spec}\n}}\n"
+    generated = runtime.load_class(tnspec.generate(text), "Emb")()
+    generated.load_state_dict(emb.state_dict())
+    scripted = torch.jit.script(generated)
+    torch.testing.assert_close(compiled(ids), emb(ids))
+    torch.testing.assert_close(scripted(ids), emb(ids))
+    for bad in (-1, -100, vocab, 999) if vocab < 1000 else (-1, -100, vocab):
+        with pytest.raises((IndexError, RuntimeError)):
+            emb(torch.tensor([[bad]]))
+        with pytest.raises((IndexError, RuntimeError)):
+            compiled(torch.tensor([[bad]]))
+        with pytest.raises((IndexError, RuntimeError)):
+            scripted(torch.tensor([[bad]]))
+    for dtype in (torch.int32, torch.uint8):  # small integer ids as nn.Embedding takes them
+        small = (ids % 250).to(dtype)
+        torch.testing.assert_close(compiled(small), emb(ids % 250))
+        torch.testing.assert_close(emb(small), emb(ids % 250))
+
+
 @pytest.mark.parametrize("spec, match", [
     ("x[b] in (v w), A[v, d] -> y[b, d, w]", "index mode 'w' must be carried by a core"),
     ("x[b, i] in (v), A[v, i, d] -> y[b, d]", "axis i of the index input 'x' is not a lookup"),

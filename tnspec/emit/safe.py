@@ -216,6 +216,8 @@ def _node(node: Any) -> None:
         _name(node.var, "variable")
         _name(node.tensor, "tensor")
         _size(node.vocabulary)
+        if node.rows is not None:
+            _size(node.rows)
         if not (node.dims is None or type(node.dims) is int):
             raise SpecError(f"codegen cannot print the axis count {node.dims!r}")
     elif isinstance(node, Unflatten):

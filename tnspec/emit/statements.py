@@ -114,12 +114,22 @@ def _check_index(node: CheckIndex, indent: str) -> list[str]:
         lines += if_block(f"{v}.dim() != {node.dims}", indent) + raise_block(
             f"{node.tensor}: expected {node.dims} axes of indices, got {{{v}.dim()}}", i2)
     vocab = str(node.vocabulary)
-    return lines + [
+    lines += [
+        f"{indent}if {v}.dtype != torch.int64 and {v}.dtype != torch.int32:",
+        f"{i2}{v} = {v}.long()  # index_select takes these two (and uint8 would wrap the bound)",
         f"{indent}if not torch.jit.is_scripting() and not torch.compiler.is_compiling():",
-        f"{i2}# eager only: reading the bounds would stop a trace (index_select checks them)",
+        f"{i2}# eager: reading the bounds would stop a trace",
         f"{i2}if {v}.numel() and (bool({v}.min() < 0) or bool({v}.max() >= {vocab})):",
         f'{i3}raise IndexError(f"{node.tensor}: indices lie in [0, {{{vocab}}}), got "',
         f'{i3}                 f"{{int({v}.min())}}..{{int({v}.max())}}")']
+    if node.rows is None:
+        return lines
+    rows = str(node.rows)
+    return lines + [
+        f"{indent}else:",
+        f"{i2}# traced: an index out of bounds goes one past the table, which index_select",
+        f"{i2}# refuses (a negative one would wrap around to a row)",
+        *wrap_line(f"{i2}{v} = torch.where(({v} < 0) | ({v} >= {vocab}), {rows}, {v})")]
 
 
 def _call(node: Call, indent: str) -> list[str]:

@@ -69,6 +69,12 @@ def embedding_format(fmt: str, num_embeddings: int, embedding_dim: int, *,
         if math.prod(ds) != embedding_dim:
             ds = _balanced(embedding_dim, modes)
     else:
+        pair = isinstance(modes, Sequence) and len(modes) == 2 and all(
+            isinstance(m, Sequence) and all(positive_int(n) for n in m) for m in modes)
+        if not pair:
+            raise SpecError(f"modes={modes!r} is neither a number of modes nor a pair of "
+                            "mode tuples", hint="e.g. modes=3, or modes=((10, 10, 10), "
+                            "(4, 4, 4)) for the vocabulary's and the dimension's modes")
         vs, ds = (tuple(int(n) for n in m) for m in modes)
         if len(vs) != len(ds) or math.prod(vs) < num_embeddings or \
                 math.prod(ds) != embedding_dim:

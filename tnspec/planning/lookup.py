@@ -203,7 +203,7 @@ class _Lowering(Builder):
         written = len(net.input.axes) - 1
         modes = net.input.axes[-1]
         self.nodes.append(CheckIndex(x, net.input.name, self.vocabulary(),
-                                     None if written == 1 else written))
+                                     None if written == 1 else written, self.product(modes)))
         n = self.name("size:lookups", "n")
         ids = self.call("ids", ".reshape", Var(x), -1, layout=(LOOKUP,), dims=[Size.of(n)],
                         comment="one lookup per index, whatever the input's shape")
