@@ -11,6 +11,8 @@ from torch import nn
 import tnspec
 from tnspec.emit import runtime
 
+from ..model_state import snapshot, unchanged
+
 FORMATS = ["tt", "tr", "cp", "tucker"]
 SHAPES = [(37,), (4, 9), (2, 3, 5), ()]
 
@@ -185,6 +187,16 @@ def test_exact_recovery_of_a_table_of_that_format(fmt):
     assert fitted.fit_(table) < 1e-3
     torch.testing.assert_close(fitted.dense_weight(), table, atol=1e-4, rtol=1e-3)
 
+
+
+@pytest.mark.parametrize("rows", [10, 1001])
+def test_fit_refuses_a_table_of_another_size_before_touching_the_cores(rows):
+    emb = tnspec.embedding("tt", 1000, 8, rank=2)
+    before = snapshot(emb)
+    with pytest.raises(tnspec.SpecError, match=rf"fit_ takes the \(1000, 8\) table, got shape "
+                       rf"\[{rows}, 8\]"):
+        emb.fit_(torch.randn(rows, 8))
+    assert unchanged(before, emb)
 
 def test_tensorize_fit_and_merge_round_trip():
     torch.manual_seed(0)

@@ -15,6 +15,8 @@ from torch.nn.utils import parametrizations
 
 import tnspec
 
+from ..model_state import snapshot, unchanged
+
 
 def _nudged(model: nn.Module, seed: int = 0) -> nn.Module:
     """Every adapter core drawn at random: the adapter away from its exact zero at init."""
@@ -26,24 +28,6 @@ def _nudged(model: nn.Module, seed: int = 0) -> nn.Module:
                     for p in layer.parameters():
                         p.normal_(0, 0.5)
     return model
-
-
-def _state(model: nn.Module) -> dict[str, tuple[torch.Tensor, bool]]:
-    """Every parameter and buffer by name, with its value and requires_grad flag; the module
-    structure by the types along each name."""
-    out = {n: (p.detach().clone(), p.requires_grad) for n, p in model.named_parameters()}
-    out |= {n: (b.detach().clone(), False) for n, b in model.named_buffers()}
-    out["structure"] = (torch.tensor([hash(tuple((n, type(m).__name__) for n, m in
-                                                  model.named_modules()))]), False)
-    out["active"] = (torch.tensor([hash(tuple(
-        (n, m.active, m.disabled, tuple(p.requires_grad for p in m.adapters.parameters()))
-        for n, m in model.named_modules() if isinstance(m, tnspec.Adapted)))]), False)
-    return out
-
-
-def _same_state(a: dict, b: dict) -> bool:
-    return a.keys() == b.keys() and all(
-        torch.equal(a[k][0], b[k][0]) and a[k][1] == b[k][1] for k in a)
 
 
 class TiedLM(nn.Module):
@@ -132,10 +116,10 @@ def test_adapters_load_only_onto_the_padding_they_were_trained_with(saved, loade
     model, _ = tnspec.adapt(nn.Sequential(nn.Conv2d(4, 6, 3, **saved)), "cp", rank=2)
     state = tnspec.adapter_state_dict(_nudged(model))
     other = nn.Sequential(nn.Conv2d(4, 6, 3, **loaded))
-    before = _state(other)
+    before = snapshot(other)
     with pytest.raises(tnspec.SpecError, match=f"layer '0'.*{why}"):
         tnspec.load_adapters(other, state)
-    assert _same_state(_state(other), before)
+    assert unchanged(before, other)
 
 
 def test_setting_an_adapter_that_does_not_exist_changes_nothing():
@@ -143,10 +127,10 @@ def test_setting_an_adapter_that_does_not_exist_changes_nothing():
     model = nn.Sequential(nn.Linear(6, 6), nn.ReLU(), nn.Linear(6, 3))
     model, _ = tnspec.adapt(model, "low_rank", rank=2, name="a")
     model, _ = tnspec.adapt(model, "cp", rank=2, name="b", include=["0"])
-    before = _state(model)
+    before = snapshot(model)
     with pytest.raises(tnspec.SpecError, match="no layer has an adapter named 'typo'"):
         tnspec.set_adapter(model, "typo")
-    assert _same_state(_state(model), before)
+    assert unchanged(before, model)
     assert [m.active for _, m in model.named_modules() if isinstance(m, tnspec.Adapted)] == \
         ["b", None]
 
@@ -158,10 +142,10 @@ def test_a_failed_load_leaves_the_model_as_it_was():
     core = next(iter(state["layers"]["1"]["adapters"]["default"]["cores"]))
     state["layers"]["1"]["adapters"]["default"]["cores"][core] = torch.zeros(1)  # broken
     fresh = nn.Sequential(nn.Linear(6, 6), nn.Linear(6, 4))
-    before = _state(fresh)
+    before = snapshot(fresh)
     with pytest.raises(tnspec.SpecError, match="layer '1'"):
         tnspec.load_adapters(fresh, state)
-    assert _same_state(_state(fresh), before)
+    assert unchanged(before, fresh)
     assert not any(isinstance(m, tnspec.Adapted) for m in fresh.modules())
 
 

@@ -43,9 +43,10 @@ def fit(layer: Layer, weight: torch.Tensor, metric: torch.Tensor | None,
             raise SpecError("inputs= fits the outputs of conv and linear layers; an "
                             "embedding is fitted to its table", hint="drop inputs=")
         rows = network.table_rows
-        if weight.dim() != 2 or weight.shape[0] > rows:
+        if tuple(weight.shape) != (layer.num_embeddings, layer.embedding_dim):
             raise SpecError(f"fit_ takes the ({layer.num_embeddings}, {layer.embedding_dim}) "
-                            f"table, got shape {list(weight.shape)}")
+                            f"table, got shape {list(weight.shape)}",
+                            hint="one row per index, as nn.Embedding.weight holds them")
         padded = weight.new_zeros(rows, weight.shape[1])
         padded[:weight.shape[0]] = weight
         _copy(layer, decompose.fit(network, padded.detach().t().to(device), **options))

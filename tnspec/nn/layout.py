@@ -161,6 +161,29 @@ def choose(model: nn.Module, example: torch.Tensor | Sequence[int],
     return choice
 
 
+def check_example(model: nn.Module, example: torch.Tensor | Sequence[int]) -> None:
+    """Raise the SpecError that timing would, before the caller changes the model: run it on
+    ``example`` as it is (in eval mode and without gradients, so that no batch-norm statistic
+    moves; the modules' modes are restored)."""
+    x = _example(model, example)
+    modes = [(m, m.training) for m in model.modules()]
+    try:
+        model.eval()
+        with torch.no_grad():
+            model(x)
+    except (RuntimeError, TypeError, ValueError) as exc:
+        raise _failed(exc) from exc
+    finally:
+        for m, training in modes:
+            m.training = training
+
+
+def _failed(exc: Exception) -> SpecError:
+    return SpecError(f"memory_format='auto': the model failed on the example "
+                     f"({type(exc).__name__}: {str(exc).splitlines()[0]})",
+                     hint="example= must be an input the model takes")
+
+
 def _laid_out(model: nn.Module, name: str) -> bool:
     """Whether some parameter of the format's rank is laid out in it and not contiguous (a
     1x1 kernel is both)."""
@@ -203,9 +226,7 @@ def _time(model: nn.Module, x: torch.Tensor, layouts: tuple[str, str],
                         torch.autograd.grad(ys, params, [torch.ones_like(y) for y in ys],
                                             allow_unused=True)
             except (RuntimeError, TypeError, ValueError) as exc:
-                raise SpecError(f"memory_format='auto': the model failed on the example "
-                                f"({type(exc).__name__}: {str(exc).splitlines()[0]})",
-                                hint="example= must be an input the model takes") from exc
+                raise _failed(exc) from exc
             if x.is_cuda:
                 torch.cuda.synchronize()
             if n:

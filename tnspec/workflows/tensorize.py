@@ -158,6 +158,8 @@ def tensorize(model: nn.Module, format: str = "tucker2", *, rank: int | float = 
                         f"{where}")
     if error is None:  # else each layer's share is chosen by its fit
         formats.check_rank_multiple(rank, options.get("rank_multiple", 1))
+    if layout_asked == "auto":  # checked before any layer is replaced
+        layout.check_example(model, example)
     before = sum(p.numel() for p in model.parameters())
     following = following_activations(model)
     left_alone = {**_read_directly(model), **_tied(model)}  # {layer name: why}
