@@ -136,6 +136,9 @@ def test_the_allocation_is_the_knapsack_optimum():
         assert sum(items[i][k][1] for i, k in enumerate(picks)) == pytest.approx(best[0])
     with pytest.raises(tnspec.SpecError, match="below what the smallest candidates need"):
         _allocate(items, 0.05)
+    # each layer's count rounded up to the DP's unit (7 here) sums past the budget, yet the
+    # dense layers fit it exactly: keeping them is the answer, not an error
+    assert _allocate([[(4001, 0.0)], [(4001, 0.0)], [(4536, 0.0)]], 1.0) == [0, 0, 0]
 
 
 def test_latency_mode_never_picks_a_layer_slower_than_dense():
@@ -214,3 +217,52 @@ def test_the_report_plots_each_layers_candidates(tmp_path):
     fig = report.plot(str(tmp_path / "fronts.png"))
     assert (tmp_path / "fronts.png").stat().st_size > 0
     assert len([ax for ax in fig.axes if ax.get_title()]) == len(report.choices)
+
+
+def test_a_frozen_model_stays_frozen_and_latency_mode_times_it():
+    small, report = _compress(_model().requires_grad_(False), 0.3, data=torch.randn(8, 3, 8, 8))
+    assert any(c.chosen.format != "dense" for c in report.choices)
+    assert not any(p.requires_grad for p in small.parameters())
+    # timed for real (forward, and backward to the input alone): every layer gets a time
+    _, report = _compress(_model().requires_grad_(False), 1.0, data=torch.randn(8, 3, 8, 8),
+                          latency=True)
+    assert all(c.dense_seconds > 0 for c in report.choices)
+    partly = _model()
+    partly[2].requires_grad_(False)
+    small, _ = _compress(partly, 0.3, data=torch.randn(8, 3, 8, 8))
+    assert not any(p.requires_grad for p in small[2].parameters())
+    assert all(p.requires_grad for p in small[5].parameters())
+
+
+class _WithHead(nn.Module):
+    """A trunk the data runs through and an auxiliary head it never reaches."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = _model()
+        self.aux = nn.Linear(24 * 16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.trunk(x)
+
+
+def test_latency_mode_leaves_a_layer_the_data_never_reaches_untimed():
+    model = _WithHead()
+    small, report = tnspec.compress(model, 1.0, ("tucker2", "cp"), shares=(0.1, 0.3),
+                                    exclude=["trunk.0"], fit=FAST, latency=True,
+                                    data=torch.randn(4, 3, 8, 8))
+    aux = next(c for c in report.choices if c.name == "aux")
+    assert aux.dense_seconds is None
+    assert all(c.dense_seconds is not None for c in report.choices if c.name != "aux")
+
+
+def test_data_given_as_a_generator_is_read_once():
+    model = _model()
+    x = torch.randn(16, 3, 8, 8)
+    batches = (x[i:i + 4] for i in range(0, 16, 4))
+    small, report = _compress(copy.deepcopy(model), 0.3, data=batches)
+    with_list, _ = _compress(copy.deepcopy(model), 0.3, data=[x[i:i + 4] for i in range(0, 16, 4)])
+    assert report.data
+    torch.testing.assert_close(small(x), with_list(x))
+    with pytest.raises(tnspec.SpecError, match="data= holds no batch"):
+        _compress(copy.deepcopy(model), 0.3, data=iter([]))

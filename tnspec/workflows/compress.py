@@ -34,8 +34,8 @@ from ..progress import Progress
 from ..nn.module import Layer
 from . import observe
 from .merge import set_submodule
-from .tensorize import (_CONVS, Selector, _check_forward, _read_directly, _replacement,
-                        _selected, _tied)
+from .tensorize import (_CONVS, Selector, _check_forward, _keep_state, _read_directly,
+                        _replacement, _selected, _tied)
 
 FORMATS = ("tucker2", "tt", "tr", "cp")
 SHARES = (0.05, 0.1, 0.2, 0.35, 0.5, 0.75)
@@ -189,6 +189,11 @@ def compress(model: nn.Module, budget: float = 0.25, formats: Sequence[str] = FO
         layers.append((name, module))
     if not layers:
         raise SpecError("no layer to compress", hint="check include= and exclude=")
+    if data is not None:  # read once: a generator would be empty the second time
+        data = observe.batches(data, max_batches)
+        if not data:
+            raise SpecError("data= holds no batch", hint="give a tensor, or an iterable of "
+                            "batches with at least one")
     progress = Progress("compress")
     seen = observe.inputs(model, layers, data, max_batches) if data is not None else {}
     sensitivity = observe.sensitivities(model, layers, data) if data is not None else {}
@@ -196,7 +201,9 @@ def compress(model: nn.Module, budget: float = 0.25, formats: Sequence[str] = FO
     for name, module in layers:
         dense_params = sum(p.numel() for p in module.parameters())
         shape, metric = seen.get(name, (None, None))
-        time_of = (timer or _timed) if latency else None
+        # latency: timed on the input shape the layer saw; one the data never reached (an
+        # auxiliary head) has none, and is left untimed
+        time_of = (timer or _timed) if latency and shape is not None else None
         dense_seconds = time_of(module, shape) if time_of else None
         options_here: list[tuple[Candidate, Layer | None]] = [
             (Candidate("dense", 1.0, dense_params, 0.0, dense_seconds), None)]
@@ -210,6 +217,7 @@ def compress(model: nn.Module, budget: float = 0.25, formats: Sequence[str] = FO
                 if module.bias is not None:
                     with torch.no_grad():
                         new.bias.copy_(module.bias.reshape(new.bias.shape))
+                _keep_state(module, new)  # frozen stays frozen, and is timed so
                 seconds = time_of(new, shape) if time_of else None
                 if seconds is not None and dense_seconds is not None and \
                         seconds > dense_seconds:
@@ -227,7 +235,6 @@ def compress(model: nn.Module, budget: float = 0.25, formats: Sequence[str] = FO
     for (name, dense_params, opts, s, dense_seconds), k in zip(choices, picks):
         cand, new = opts[k]
         if new is not None:
-            new.train(dict(layers)[name].training)
             chosen_layers[name] = new
         report_rows.append(Choice(name, dense_params, cand, tuple(c for c, _ in opts), s,
                                   dense_seconds))
@@ -262,6 +269,8 @@ def _allocate(items: list[list[tuple[int, float]]], budget: float, units: int = 
         back.append(arg)
         best = new
     end = int(np.argmin(best))
+    if not math.isfinite(best[end]) and sum(layer[0][0] for layer in items) <= capacity_params:
+        return [0] * len(items)  # only rounding up to the unit ruled the dense layers out
     if not math.isfinite(best[end]):
         smallest = sum(min(p for p, _ in layer) for layer in items)
         raise SpecError(f"budget={budget:g} is below what the smallest candidates need "
@@ -294,7 +303,7 @@ def _timed(module: nn.Module, shape: tuple[int, ...] | None, repeats: int = 7) -
     gen = torch.Generator(device=first.device).manual_seed(0)
     x = torch.randn(shape, generator=gen, dtype=first.dtype, device=first.device)
     x.requires_grad_(True)
-    params = [p for p in module.parameters()]
+    params = [p for p in module.parameters() if p.requires_grad]  # a frozen layer's: none
     spent = []
     with torch.enable_grad():
         for n in range(repeats + 2):  # two warm-up rounds: planning, autotuning
