@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import tnspec
+from tnspec.cli import main
 from tnspec.planning import cache, calibration, measure
 from tnspec.emit import runtime
 from tnspec.nn.autotune import Timing
@@ -72,9 +73,12 @@ def test_opting_out_uses_the_built_in_constants_and_writes_nothing(tmp_path, mon
 @pytest.mark.parametrize("content", [
     "{not json", f'{{"format": {calibration.FORMAT}, "devices": {{"k": 3}}}}',
     f'{{"format": {calibration.FORMAT}, "devices": {{}}, "choices": '
-    '{"k": {"op": "bmm", "seconds": {}}}}', "[1, 2]"])
+    '{"k": {"op": "bmm", "seconds": {}}}}', "[1, 2]", b'\xff\xfe{"format": \xe9'])
 def test_a_corrupt_cache_is_ignored_with_a_warning_and_rebuilt(calibrated, content):
-    calibrated.write_text(content)
+    if isinstance(content, bytes):  # not UTF-8
+        calibrated.write_bytes(content)
+    else:
+        calibrated.write_text(content)
     with pytest.warns(UserWarning, match="(corrupt calibration cache|corrupt cached "
                                          "calibration k|dropping the calibration cache "
                                          "entry 'k').*measured again"):
@@ -371,6 +375,33 @@ def test_an_implausible_cached_calibration_is_dropped_and_measured_again(calibra
         found = tnspec.calibrate()
     assert found.model.overhead < calibration.MAX_OVERHEAD or found.conditions["doubts"]
     assert found.model.einsum_rate != 1e15
+
+
+@pytest.mark.parametrize("field, value", [("conv_rate", 0.0), ("einsum_rate", -1e9),
+                                          ("bandwidth", float("nan")),
+                                          ("overhead", float("inf"))])
+def test_a_cached_constant_that_is_no_rate_is_dropped_and_layers_still_run(
+        calibrated, field, value):
+    key = calibration.device_key("cpu", torch.float32)
+    bad = {"model": {**vars(CostModel()), field: value}, "error": 1.1, "seconds": 10.0,
+           "samples": 18}
+    calibrated.write_text(json.dumps({"format": calibration.FORMAT, "devices": {key: bad},
+                                      "choices": {}}))
+    calibration.forget()
+    with pytest.warns(UserWarning, match=rf"ignoring the cached calibration .*{field} "):
+        model = calibration.cost_model()
+    assert all(v > 0 and math.isfinite(v) for v in vars(model).values() if v)
+    layer = tnspec.layer("x[b, c, h+kh-1, w+kw-1], U[c, r], G[r, s, kh, kw], V[s, o] -> "
+                         "y[b, o, h, w]", c=8, o=8, r=4, s=4, kh=3, kw=3)
+    assert layer(torch.randn(2, 8, 6, 6)).shape == (2, 8, 6, 6)
+
+
+def test_a_cache_that_is_not_utf8_leaves_the_cli_working(calibrated, capsys):
+    calibrated.write_bytes(b"\xff\xfe\x00garbage")
+    with pytest.warns(UserWarning, match="corrupt calibration cache"):
+        assert main(["calibrate", "--show"]) == 0
+    with pytest.warns(UserWarning, match="corrupt calibration cache"):
+        assert main(["calibrate", "--forget", "mixing *"]) == 0
 
 
 def test_a_first_call_that_times_logs_what_it_did(calibrated, caplog):

@@ -49,7 +49,7 @@ def read() -> tuple[Devices, Choices]:
     that is not a cache at all is ignored whole, with a warning)."""
     where = path()
     try:
-        text = where.read_text()
+        text = where.read_bytes()  # decoded by json: a file that is not UTF-8 is corrupt
     except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
         return {}, {}
     except OSError as exc:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import os
 import platform
 import time
@@ -204,12 +205,22 @@ MAX_CPU_RATE = 1e13  # multiply-adds per second, beyond any CPU's peak
 MAX_CPU_BANDWIDTH = 1e12  # elements per second
 
 
+#: the constants that must be above zero (the overhead and c0 may be zero)
+_POSITIVE = frozenset({"conv_rate", "einsum_rate", "bandwidth", "einsum_bandwidth", "grouped",
+                       "scale"})
+
+
 def doubts(model: CostModel, error: float, spread: float, device_type: str) -> list[str]:
-    """Why a fitted model is not plausible (empty when it is): a per-step overhead, a fit
+    """Why a fitted model is not plausible (empty when it is): a constant that is not a
+    finite number, negative, or a zero rate; a per-step overhead, a fit
     error or a spread between repeats that only a busy machine gives, or, on a CPU, a fitted
     rate no CPU reaches. (A rate the samples do not bound at all, ``MAX_RATE``, is no doubt:
     idle fits give it too, where that work costs too little to show beside the rest.)"""
-    found = []
+    found = [f"{f.name} {getattr(model, f.name)!r}" for f in fields(CostModel)
+             if not getattr(model, f.name) >= 0 or not math.isfinite(getattr(model, f.name))
+             or (getattr(model, f.name) == 0 and f.name in _POSITIVE)]
+    if found:  # a rate of zero would make every step free (or raise deep inside planning)
+        return found
     if model.overhead > MAX_OVERHEAD:
         found.append(f"overhead {model.overhead * 1e6:.0f} us per step")
     if error > MAX_ERROR:
