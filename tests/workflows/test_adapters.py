@@ -15,6 +15,8 @@ from torch import nn
 import tnspec
 from experiments.adapters import GEOMETRIES
 
+from ..model_state import snapshot, unchanged
+
 FORMATS = ("low_rank", "cp", "tucker2", "tt", "tr")
 
 
@@ -188,8 +190,9 @@ def test_named_adapters_switch_disable_and_merge_by_name():
         tnspec.set_adapter(model, "c")
     with pytest.raises(tnspec.SpecError, match="no layer has an adapter named 'c'"):
         tnspec.merge_adapters(model, "c")
-    _, again = tnspec.adapt(model, "cp", name="a")
-    assert not again.adapted and "adapter named 'a' already" in again.skipped[0][1]
+    with pytest.raises(tnspec.SpecError, match="adapt changed nothing: 0: it has an adapter "
+                                               "named 'a' already"):
+        tnspec.adapt(model, "cp", name="a")
 
 
 def test_merge_in_place_and_a_bare_layer():
@@ -220,10 +223,10 @@ def test_a_spec_string_takes_its_channel_and_kernel_sizes_from_each_layer():
     assert torch.equal(model(x), ref)
     assert report.adapted[0].params == 3 * 2 + 2 * 9 * 8
     assert report.adapted[1].params == 8 * 2 + 2 * 25 * 8
-    _, report = tnspec.adapt(nn.Conv2d(3, 8, 5, padding=2),
-                             spec.replace("h+kh", "h+kh-1").replace("w+kw", "w+kw-1"),
-                             sizes={"r": 2})
-    assert report.skipped[0][1] == "the adapter pads (1, 1), the layer (2, 2) (zeros)"
+    with pytest.raises(tnspec.SpecError, match=r"adapt changed nothing: Conv2d: the adapter "
+                       r"pads \(1, 1\), the layer \(2, 2\) \(zeros\)"):
+        tnspec.adapt(nn.Conv2d(3, 8, 5, padding=2),
+                     spec.replace("h+kh", "h+kh-1").replace("w+kw", "w+kw-1"), sizes={"r": 2})
 
 
 def test_shared_layers_get_one_adapter_and_float_ranks_are_shares():
@@ -248,10 +251,23 @@ def test_bad_arguments_are_clear_errors():
         tnspec.adapt(conv, scale=0)
     with pytest.raises(tnspec.SpecError, match="adapter name 'a b' must be a Python identifier"):
         tnspec.adapt(conv, name="a b")
-    _, report = tnspec.adapt(nn.Conv2d(4, 4, 3), "tucker2", zero="Q")
-    assert "zero='Q' is not a core" in report.skipped[0][1]
-    _, report = tnspec.adapt(nn.Linear(4, 4), "x[b, i], W[i, o] -> y[b, o]", rank=3)
-    assert "rank= and format options go with a format name" in report.skipped[0][1]
+    # arguments that leave every layer skipped: one error, and the model as it was
+    model = nn.Sequential(nn.Linear(6, 6), nn.ReLU(), nn.Conv2d(4, 4, 3))
+    before = snapshot(model)
+    for kwargs, match in [
+            (dict(fmt="tucker2", zero="Q"), r"adapt changed nothing: 0: zero='Q' is not a core"
+                                            r".* \(and 1 more layer\(s\)\)"),
+            (dict(fmt="x[b, i], W[i, o] -> y[b, o]", rank=3),
+             "rank= and format options go with a format name"),
+            (dict(fmt="lora"), r"unknown format 'lora'(?s:.*)LoRA is low_rank"),
+            (dict(fmt="cp", rank=0), r"rank=0 is no rank"),
+            (dict(fmt="cp", rank=1.5), r"rank=1.5 is no rank"),
+            (dict(fmt="cp", rank=(2, -1)), r"rank=\(2, -1\) is no rank"),
+            (dict(fmt="cp", include="nothing"), "no nn.Linear or nn.Conv1d/2d/3d layer is "
+                                                "selected")]:
+        with pytest.raises(tnspec.SpecError, match=match):
+            tnspec.adapt(model, **kwargs)
+        assert unchanged(before, model)
     with pytest.raises(tnspec.SpecError, match="not an adapter state"):
         tnspec.load_adapters(conv, {"layers": {}})
     model, _ = tnspec.adapt(nn.Sequential(nn.Linear(4, 4)), "cp", rank=2)

@@ -190,6 +190,11 @@ def test_bad_arguments_are_clear_errors():
         tnspec.compress(_model(), 0.5, include="nothing")
     with pytest.raises(tnspec.SpecError, match="fit= has no option 'iterations'"):
         tnspec.compress(_model(), 0.5, fit={"iterations": 3})
+    with pytest.raises(tnspec.SpecError, match=r"formats=\('tucker', 'cp2'\): unknown format "
+                                               "'cp2'"):
+        tnspec.compress(_model(), 0.5, ("tucker", "cp2"))
+    with pytest.raises(tnspec.SpecError, match=r"formats='cp' must be a tuple(?s:.*)\('cp',\)"):
+        tnspec.compress(_model(), 0.5, "cp")
 
 
 def test_a_few_sweeps_before_the_float32_refit_reach_the_float64_fit():

@@ -14,6 +14,8 @@ from torch import nn
 import tnspec
 from tnspec.workflows.tensorize import TensorizedConv, TensorizedLinear
 
+from ..model_state import snapshot, unchanged
+
 pytestmark = pytest.mark.usefixtures("float64")
 
 LAYERS = {  # a dense layer, and an input for it
@@ -184,6 +186,15 @@ def test_include_and_exclude_select_layers():
     assert len(report.replaced) == 3 and "tensorize: 3 layer(s) to cp" in str(report)
     _, again = tnspec.tensorize(model_, "cp", rank=2)  # tnspec layers are not re-tensorized
     assert not again.replaced
+
+
+@pytest.mark.parametrize("rank", [0, -1, 1.5, (2, 0), "8"])
+def test_a_rank_that_is_no_rank_is_one_error_before_anything_changes(rank):
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Conv2d(4, 4, 3))
+    before = snapshot(model)
+    with pytest.raises(tnspec.SpecError, match="is no rank"):
+        tnspec.tensorize(model, "cp", rank=rank)
+    assert unchanged(before, model)
 
 
 def test_an_unknown_format_is_refused():

@@ -158,6 +158,24 @@ def build(format: str, in_channels: int, out_channels: int, kernel_size: IntOrTu
     return fmt
 
 
+def check_rank(rank: Rank) -> None:
+    """Raise :class:`SpecError` unless ``rank`` is a rank :func:`build` takes: a positive int,
+    a float in (0, 1] (a share of the dense parameters) or a tuple of positive ints. A
+    workflow calls it before its layer loop, so that a rank of 0 or 1.5 is one error rather
+    than every layer skipped."""
+    if isinstance(rank, float) and not isinstance(rank, bool):
+        if 0 < rank <= 1:
+            return
+    elif isinstance(rank, Sequence) and not isinstance(rank, str):
+        if rank and all(positive_int(r) is not None for r in rank):
+            return
+    elif positive_int(rank) is not None:
+        return
+    raise SpecError(f"rank={rank!r} is no rank", hint="give a positive int (every rank edge), "
+                    "a tuple of them (one per edge), or a float in (0, 1]: the share of the "
+                    "dense layer's parameters")
+
+
 def check_rank_multiple(rank: Rank, rank_multiple: int) -> None:
     """Raise :class:`SpecError` where ``rank_multiple`` has nothing to round: it rounds the
     rank of a share (a float ``rank``), not a rank given as an int or a tuple."""

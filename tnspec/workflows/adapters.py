@@ -154,7 +154,9 @@ def adapt(model: nn.Module, fmt: Fmt = "low_rank", *, rank: int | float | None =
     go in ``sizes``); or a compiled :class:`Network` (from a ``.tn`` file) or a
     :class:`~tnspec.formats.Format`. Any stride, dilation, groups, padding (``"same"``
     included) and ``padding_mode`` work: the adapter runs on the input padded as the base pads
-    it. Layers whose geometry a spec does not match are skipped, with why, in the report.
+    it. Layers whose geometry a spec does not match are skipped, with why, in the report; a
+    call that would adapt no layer (an unknown format, a rank that is no rank, a name every
+    layer has already) raises a SpecError saying why, and leaves the model as it was.
 
     At init the adapter is exactly zero (its core ``zero``, by default the output-side one, is
     zero), so the model computes what it did, bit for bit. Once the zero core reaches its
@@ -177,6 +179,12 @@ def adapt(model: nn.Module, fmt: Fmt = "low_rank", *, rank: int | float | None =
     if not isinstance(name, str) or not name.isidentifier():
         raise SpecError(f"adapter name {name!r} must be a Python identifier",
                         hint='e.g. name="task_b"')
+    # arguments that would have every layer skipped are one error, before anything changes
+    if isinstance(fmt, str) and fmt not in formats.NAMES and "[" not in fmt:
+        raise SpecError(f"unknown format {fmt!r}", hint=f"choose one of "
+                        f"{', '.join(formats.NAMES)} (LoRA is low_rank), or write a spec")
+    if rank is not None:
+        formats.check_rank(rank)
     adapted, skipped, wrapped = [], [], {}
     left_alone = _read_directly(model)
     root = None
@@ -219,6 +227,12 @@ def adapt(model: nn.Module, fmt: Fmt = "low_rank", *, rank: int | float | None =
         adapted.append(Adaptation(path, repr(module), layer.spec,
                                   sum(p.numel() for p in layer.parameters()),
                                   sum(p.numel() for p in module.parameters()), zeroed, note))
+    if not adapted:  # nothing was changed: say why rather than report "100% train"
+        first = f"{skipped[0][0]}: {skipped[0][1]}" + \
+            (f" (and {len(skipped) - 1} more layer(s))" if len(skipped) > 1 else "") \
+            if skipped else "no nn.Linear or nn.Conv1d/2d/3d layer is selected"
+        raise SpecError(f"adapt changed nothing: {first}",
+                        hint="check the format, rank= and zero=, or include= and exclude=")
     result = root if root is not None else model
     if adapted:  # as get_peft_model: the new adapter alone trains
         for p in result.parameters():

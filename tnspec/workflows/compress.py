@@ -31,6 +31,7 @@ from torch import nn
 
 from ..errors import SpecError
 from ..progress import Progress
+from ..nn import formats as format_names
 from ..nn.module import Layer
 from . import observe
 from .merge import set_submodule
@@ -166,6 +167,14 @@ def compress(model: nn.Module, budget: float = 0.25, formats: Sequence[str] = FO
     if not 0 < budget <= 1:
         raise SpecError(f"budget={budget!r} is a share of the dense parameters",
                         hint="a number in (0, 1], e.g. budget=0.25")
+    if isinstance(formats, str):
+        raise SpecError(f"formats={formats!r} must be a tuple of format names",
+                        hint=f"e.g. formats=({formats!r},)")
+    unknown = [f for f in formats if f not in format_names.NAMES]
+    if unknown or not formats:
+        raise SpecError(f"formats={tuple(formats)!r}" +
+                        (f": unknown format {unknown[0]!r}" if unknown else " is empty"),
+                        hint=f"names from {', '.join(format_names.NAMES)}")
     if latency and data is None:
         raise SpecError("latency=True needs data= (the input shapes to time)")
     unknown = sorted(set(fit or {}) - set(FIT))

@@ -157,6 +157,7 @@ def tensorize(model: nn.Module, format: str = "tucker2", *, rank: int | float = 
         raise TypeError(f"tensorize() got an unexpected keyword argument {unknown[0]!r}; "
                         f"{where}")
     if error is None:  # else each layer's share is chosen by its fit
+        formats.check_rank(rank)
         formats.check_rank_multiple(rank, options.get("rank_multiple", 1))
     if layout_asked == "auto":  # checked before any layer is replaced
         layout.check_example(model, example)
