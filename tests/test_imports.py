@@ -169,17 +169,21 @@ def test_stages_import_only_what_they_need():
     assert graph["planning.cache"] == set()  # the file alone: no model, no torch
     # workflows above Layer: adapters build layers through the API, they plan nothing
     assert not {d for d in graph["workflows.adapters"] if d.startswith(("planning.", "emit."))}
-    assert graph["workflows.adapter_state"] <= {"errors", "nn.api", "workflows.adapters",
+    assert graph["workflows.adapter_state"] <= {"errors", "shapes", "nn.api",
+                                                "workflows.adapted", "workflows.adapters",
                                                 "workflows.merge"}
-    assert graph["workflows.peft_bridge"] <= {"workflows.adapters"}
+    # every workflow may know the Adapted module; it knows none of them
+    assert graph["workflows.adapted"] <= {"fit.decompose", "nn.module"}
+    assert graph["workflows.peft_bridge"] <= {"errors", "workflows.adapted",
+                                              "workflows.adapters"}
     assert graph["fit.moments"] <= {"errors"}
     assert graph["workflows.observe"] <= {"errors", "fit.moments"}
     assert graph["nn.embedding"] <= {"errors", "language.settings", "nn.api", "nn.formats"}
     # the model's memory format: measured as the layers' own orders are, no pipeline stage
     assert graph["nn.layout"] <= {"errors", "planning.calibration", "nn.autotune"}
-    assert graph["workflows.compress"] <= {"errors", "progress", "nn.module",
-                                           "workflows.tensorize", "workflows.merge",
-                                           "workflows.observe"}
+    assert graph["workflows.compress"] <= {"errors", "progress", "nn.formats", "nn.module",
+                                           "workflows.adapted", "workflows.tensorize",
+                                           "workflows.merge", "workflows.observe"}
     assert "__init__" not in set().union(*(d for m, d in graph.items() if m != "__main__"))
 
 

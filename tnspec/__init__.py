@@ -28,9 +28,10 @@ from .nn.api import compile, compile_all, contract, generate, layer
 from .nn.audit import Audit, audit
 from .nn.embedding import EmbeddingBag, embedding, embedding_bag
 from .nn.module import Layer
+from .workflows.adapted import Adapted
 from .workflows.adapter_state import (adapter_state_dict, disable_adapters, load_adapters,
                                       merge_adapters, set_adapter)
-from .workflows.adapters import Adapted, AdaptReport, adapt
+from .workflows.adapters import AdaptReport, adapt
 from .workflows.compress import CompressReport, compress
 from .workflows.merge import merge
 from .workflows.peft_bridge import register_peft

@@ -167,3 +167,49 @@ def test_peft_builds_each_adapter_in_the_format_its_own_config_registered():
     with pytest.raises(tnspec.SpecError, match="(?s)registers no tnspec format.*register_peft"):
         model.add_adapter("c", peft.LoraConfig(r=2, target_modules=["0", "3"]))
     assert {n for n, _ in model.named_parameters()} == set(before)
+
+
+def _half_adapted():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(),
+                          nn.Linear(16, 8))
+    model, _ = tnspec.adapt(model, "low_rank", rank=2, include=["0", "2"])
+    return _nudged(model)
+
+
+@pytest.mark.parametrize("workflow", ["tensorize", "compress", "merge"])
+def test_other_workflows_leave_an_adapted_layer_whole(workflow):
+    model = _half_adapted()
+    x = torch.randn(4, 16)
+    probe = torch.randn(3, 16)
+    with torch.no_grad():
+        want = {n: model[int(n)](probe) for n in ("0", "2")}
+    if workflow == "tensorize":
+        model, report = tnspec.tensorize(model, "cp", rank=0.5)
+        assert [r.name for r in report.replaced] == ["4"]
+        assert {n for n, _ in report.skipped} == {"0.base", "2.base"}
+        why = dict(report.skipped)["0.base"]
+        assert "inside the adapted layer '0': merge_adapters first" in why
+    elif workflow == "compress":
+        model, report = tnspec.compress(model, 0.5, ("cp",), fit={"max_iter": 5})
+        assert [c.name for c in report.choices] == ["4"]
+    else:
+        with pytest.warns(UserWarning, match=r"left the adapters of 2 adapted layer\(s\) as they "
+                          r"are \(0, 2\): merge_adapters folds them"):
+            model = tnspec.merge(model)
+    assert isinstance(model[0], tnspec.Adapted) and isinstance(model[0].base, nn.Linear)
+    with torch.no_grad():
+        for n in ("0", "2"):
+            assert torch.equal(model[int(n)](probe), want[n])
+    assert set(tnspec.adapter_state_dict(model)["layers"]) == {"0", "2"}
+    merged = tnspec.merge_adapters(model)
+    with torch.no_grad():
+        torch.testing.assert_close(merged(x), model(x), rtol=1e-5, atol=1e-6)
+
+
+def test_compress_says_which_layers_it_found_and_why_it_left_them():
+    model = nn.Sequential(nn.Linear(8, 8))
+    model, _ = tnspec.adapt(model, "low_rank", rank=2)
+    with pytest.raises(tnspec.SpecError, match=r"no layer to compress: 0.base: inside the "
+                                               r"adapted layer '0'"):
+        tnspec.compress(model, 0.5)

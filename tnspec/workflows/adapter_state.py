@@ -19,7 +19,8 @@ from torch.nn.utils.weight_norm import WeightNorm
 from ..errors import SpecError
 from ..shapes import geometry
 from ..nn.api import _with_options, compile
-from .adapters import (_CONVS, Adapted, TensorizedConv, TensorizedLinear, _adapted,
+from .adapted import Adapted
+from .adapters import (_CONVS, TensorizedConv, TensorizedLinear, _adapted,
                        _geometry_differs, _padding, set_adapter)
 from .merge import set_submodule
 

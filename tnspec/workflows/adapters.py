@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..errors import SpecError
@@ -31,67 +30,12 @@ from ..fit import decompose
 from ..nn import formats
 from ..nn.api import _with_options, compile
 from ..nn.module import Layer
+from .adapted import Adapted, inside_adapted
 from .merge import set_submodule
 from .tensorize import (_CONVS, Selector, TensorizedConv, TensorizedLinear, _check_forward,
                         _read_directly, _selected)
 
 Fmt = str | formats.Format | Network
-
-
-class Adapted(nn.Module):
-    """A frozen ``base`` module (``nn.Linear`` or ``nn.Conv1d/2d/3d``, untouched) and named
-    tnspec ``adapters`` of its geometry: ``forward(x) = base(x) + scaling * adapter(x)`` for
-    the active adapter, run as its planned network on the input as the base pads it."""
-
-    def __init__(self, base: nn.Module) -> None:
-        super().__init__()
-        self.base = base
-        self.adapters = nn.ModuleDict()
-        self.scaling: dict[str, float] = {}  # the zero core's Graph-in std, per adapter
-        self.pads: dict[str, tuple[tuple[int, ...], str] | None] = {}  # F.pad before it
-        self.zeroed: dict[str, str] = {}  # the core that started at zero
-        self.active: str | None = None
-        self.disabled = False
-
-    @property
-    def weight(self) -> torch.Tensor:
-        """The base layer's weight (the adapters are not in it; see ``merge_adapters``)."""
-        return self.base.weight
-
-    @property
-    def bias(self) -> torch.Tensor | None:
-        """The base layer's bias (adapters have none)."""
-        return self.base.bias
-
-    def add(self, name: str, layer: Layer, scaling: float,
-            pad: tuple[tuple[int, ...], str] | None, zeroed: str) -> None:
-        """Register ``layer`` as adapter ``name`` (it replaces one of that name)."""
-        self.adapters[name] = layer
-        self.scaling[name], self.pads[name], self.zeroed[name] = scaling, pad, zeroed
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.base(x)
-        if self.disabled or self.active is None:
-            return y
-        pad = self.pads[self.active]
-        if pad is not None:
-            x = F.pad(x, pad[0], mode=pad[1])
-        # not torch.add(..., alpha=): inductor (torch 2.13) drops alpha after a matmul
-        return y + self.scaling[self.active] * self.adapters[self.active](x)
-
-    def delta_weight(self, name: str) -> torch.Tensor:
-        """Adapter ``name`` as a dense weight of the base's shape, in float64."""
-        return delta_weight(self.adapters[name], self.scaling[name])
-
-    def extra_repr(self) -> str:
-        return f"active={self.active!r}" + (", disabled" if self.disabled else "")
-
-
-def delta_weight(layer: Layer, scaling: float) -> torch.Tensor:
-    """``scaling`` times the adapter ``layer`` as a dense weight, from float64 copies of its
-    cores (what merging adds to the base weight)."""
-    cores = {n: p.detach().double() for n, p in layer.named_parameters() if n != "bias"}
-    return decompose.dense_weight(layer.network, cores) * scaling
 
 
 @dataclass(frozen=True)
@@ -187,12 +131,13 @@ def adapt(model: nn.Module, fmt: Fmt = "low_rank", *, rank: int | float | None =
         formats.check_rank(rank)
     adapted, skipped, wrapped = [], [], {}
     left_alone = _read_directly(model)
+    inside = inside_adapted(model)  # an adapter's own layers, a base: not adapted again
     root = None
     for path, module in list(model.named_modules(remove_duplicate=False)):
         if isinstance(module, Adapted):
             module, owner = module.base, module
         elif isinstance(module, (nn.Linear, *_CONVS)) and not isinstance(module, Layer) and \
-                not _inside_adapted(model, path):
+                id(module) not in inside:
             owner = None
         else:
             continue
@@ -261,13 +206,6 @@ def set_adapter(model: nn.Module, name: str) -> None:
         module.active = name if name in module.adapters else None
         for key, layer in module.adapters.items():
             layer.requires_grad_(key == name)
-
-
-def _inside_adapted(model: nn.Module, path: str) -> bool:
-    """Whether the module at ``path`` sits inside an :class:`Adapted` (its base, an adapter)."""
-    parts = path.split(".")
-    return any(isinstance(model.get_submodule(".".join(parts[:i])), Adapted)
-               for i in range(len(parts)) if path)
 
 
 def adapter_layer(base: nn.Module, fmt: Fmt, rank: int | float | None, scale: float,

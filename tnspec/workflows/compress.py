@@ -34,6 +34,7 @@ from ..progress import Progress
 from ..nn import formats as format_names
 from ..nn.module import Layer
 from . import observe
+from .adapted import adapted_parts
 from .merge import set_submodule
 from .tensorize import (_CONVS, Selector, _check_forward, _keep_state, _read_directly,
                         _replacement, _selected, _tied)
@@ -182,7 +183,7 @@ def compress(model: nn.Module, budget: float = 0.25, formats: Sequence[str] = FO
         raise SpecError(f"fit= has no option {unknown[0]!r}",
                         hint=f"the options are {', '.join(FIT)}")
     options = {**FIT, **dict(fit or {})}
-    left_alone = {**_read_directly(model), **_tied(model)}
+    left_alone = {**_read_directly(model), **_tied(model), **adapted_parts(model)}
     layers, skipped = [], []
     for name, module in model.named_modules():
         if not isinstance(module, (nn.Linear, *_CONVS)) or isinstance(module, Layer) or \
@@ -197,7 +198,11 @@ def compress(model: nn.Module, budget: float = 0.25, formats: Sequence[str] = FO
             continue
         layers.append((name, module))
     if not layers:
-        raise SpecError("no layer to compress", hint="check include= and exclude=")
+        why = f": {skipped[0][0]}: {skipped[0][1]}" + \
+            (f" (and {len(skipped) - 1} more layer(s))" if len(skipped) > 1 else "") \
+            if skipped else ""
+        raise SpecError(f"no layer to compress{why}",
+                        hint="check include= and exclude=" if not skipped else None)
     if data is not None:  # read once: a generator would be empty the second time
         data = observe.batches(data, max_batches)
         if not data:

@@ -13,6 +13,7 @@ from ..errors import SpecError
 from ..shapes import geometry
 from ..nn.embedding import EmbeddingBag
 from ..nn.module import Layer
+from .adapted import inside_adapted
 
 
 def merge(model: nn.Module) -> nn.Module:
@@ -28,6 +29,7 @@ def merge(model: nn.Module) -> nn.Module:
     Conv2d(16, 32, kernel_size=(3, 3), stride=(1, 1), padding=(1, 1))
     """
     kept = []
+    adapters = inside_adapted(model)  # merge_adapters folds those: they stay as they are
     merged: dict[int, nn.Module] = {}  # a layer registered under several names: one module
     bags = [(n, m) for n, m in model.named_modules(remove_duplicate=False)
             if isinstance(m, EmbeddingBag)]
@@ -37,7 +39,7 @@ def merge(model: nn.Module) -> nn.Module:
             return dense
         set_submodule(model, name, dense)
     for name, module in list(model.named_modules(remove_duplicate=False)):
-        if not isinstance(module, Layer):
+        if not isinstance(module, Layer) or id(module) in adapters:
             continue
         if geometry(module.network) is None:
             if (name or "the model") not in kept:
@@ -47,6 +49,11 @@ def merge(model: nn.Module) -> nn.Module:
         if not name:
             return dense
         set_submodule(model, name, dense)
+    owners = sorted(set(adapters.values()))
+    if owners:
+        warnings.warn(f"merge left the adapters of {len(owners)} adapted layer(s) as they are "
+                      f"({', '.join(owners[:4])}{', ...' if len(owners) > 4 else ''}): "
+                      "merge_adapters folds them into their base layers", stacklevel=2)
     if kept:
         warnings.warn(f"merge kept {len(kept)} tnspec layer(s) that are neither conv-like nor "
                       f"linear-like: {', '.join(kept[:4])}{', ...' if len(kept) > 4 else ''}",

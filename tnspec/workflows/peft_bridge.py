@@ -19,7 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import SpecError
-from .adapters import _CONVS, adapter_layer, delta_weight
+from .adapted import delta_weight
+from .adapters import _CONVS, adapter_layer
 
 
 def register_peft(config: Any, fmt: str = "tt", *, scale: float = 1.0,

@@ -23,6 +23,7 @@ from ..nn.embedding import replacing
 from ..nn.layout import LayoutChoice
 from ..nn.module import Layer
 from .activations import following_activations
+from .adapted import adapted_parts
 from .merge import set_submodule
 
 Selector = str | Sequence[str] | Callable[[str, nn.Module], bool] | None
@@ -163,7 +164,8 @@ def tensorize(model: nn.Module, format: str = "tucker2", *, rank: int | float = 
         layout.check_example(model, example)
     before = sum(p.numel() for p in model.parameters())
     following = following_activations(model)
-    left_alone = {**_read_directly(model), **_tied(model)}  # {layer name: why}
+    # {layer name: why}
+    left_alone = {**_read_directly(model), **_tied(model), **adapted_parts(model)}
     replaced, skipped, kinds = [], [], []
     other: dict[str, int] = {}
     progress = Progress("tensorize")  # a line per layer where a person watches

@@ -1,0 +1,90 @@
+"""The module every workflow knows: :class:`Adapted`, a frozen base layer with named tnspec
+adapters beside it. ``adapt`` builds it, ``adapter_state`` merges, saves and switches it;
+``tensorize``, ``compress`` and ``merge`` leave what is inside one alone
+(:func:`inside_adapted`), since replacing its base or an adapter would break it."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..fit import decompose
+from ..nn.module import Layer
+
+
+class Adapted(nn.Module):
+    """A frozen ``base`` module (``nn.Linear`` or ``nn.Conv1d/2d/3d``, untouched) and named
+    tnspec ``adapters`` of its geometry: ``forward(x) = base(x) + scaling * adapter(x)`` for
+    the active adapter, run as its planned network on the input as the base pads it."""
+
+    def __init__(self, base: nn.Module) -> None:
+        super().__init__()
+        self.base = base
+        self.adapters = nn.ModuleDict()
+        self.scaling: dict[str, float] = {}  # the zero core's Graph-in std, per adapter
+        self.pads: dict[str, tuple[tuple[int, ...], str] | None] = {}  # F.pad before it
+        self.zeroed: dict[str, str] = {}  # the core that started at zero
+        self.active: str | None = None
+        self.disabled = False
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The base layer's weight (the adapters are not in it; see ``merge_adapters``)."""
+        return self.base.weight
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        """The base layer's bias (adapters have none)."""
+        return self.base.bias
+
+    def add(self, name: str, layer: Layer, scaling: float,
+            pad: tuple[tuple[int, ...], str] | None, zeroed: str) -> None:
+        """Register ``layer`` as adapter ``name`` (it replaces one of that name)."""
+        self.adapters[name] = layer
+        self.scaling[name], self.pads[name], self.zeroed[name] = scaling, pad, zeroed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base(x)
+        if self.disabled or self.active is None:
+            return y
+        pad = self.pads[self.active]
+        if pad is not None:
+            x = F.pad(x, pad[0], mode=pad[1])
+        # not torch.add(..., alpha=): inductor (torch 2.13) drops alpha after a matmul
+        return y + self.scaling[self.active] * self.adapters[self.active](x)
+
+    def delta_weight(self, name: str) -> torch.Tensor:
+        """Adapter ``name`` as a dense weight of the base's shape, in float64."""
+        return delta_weight(self.adapters[name], self.scaling[name])
+
+    def extra_repr(self) -> str:
+        return f"active={self.active!r}" + (", disabled" if self.disabled else "")
+
+
+def delta_weight(layer: Layer, scaling: float) -> torch.Tensor:
+    """``scaling`` times the adapter ``layer`` as a dense weight, from float64 copies of its
+    cores (what merging adds to the base weight)."""
+    cores = {n: p.detach().double() for n, p in layer.named_parameters() if n != "bias"}
+    return decompose.dense_weight(layer.network, cores) * scaling
+
+
+def inside_adapted(model: nn.Module) -> dict[int, str]:
+    """``{id(module): name of its Adapted}`` for every module inside an :class:`Adapted` of
+    ``model`` (its base, its adapters and their parts)."""
+    inside: dict[int, str] = {}
+    for path, module in model.named_modules():
+        if isinstance(module, Adapted):
+            for _, part in module.named_modules(prefix=path):
+                if part is not module:
+                    inside.setdefault(id(part), path or "the model")
+    return inside
+
+
+def adapted_parts(model: nn.Module) -> dict[str, str]:
+    """``{name: why}`` for every module inside an :class:`Adapted` of ``model``: what
+    ``tensorize`` and ``compress`` leave alone."""
+    inside = inside_adapted(model)
+    return {name: f"inside the adapted layer {inside[id(m)]!r}: merge_adapters first (or "
+            "tensorize and compress before adapt)"
+            for name, m in model.named_modules() if id(m) in inside}
