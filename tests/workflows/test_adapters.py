@@ -130,6 +130,26 @@ def test_the_adapter_reaches_scale_times_the_base_variance_at_the_zero_cores_gra
         assert 0.25 * 0.75 < sum(ratios) / len(ratios) < 0.25 * 1.25, (fmt, ratios)
 
 
+@pytest.mark.parametrize("magnitude", [1e-4, 1e4])
+def test_a_very_small_or_large_base_weight_gets_an_adapter_of_its_scale(magnitude):
+    """Past the activation scales whose stds are finite (1e-6 to 1e6), the rest of the scale
+    goes to the adapter's output multiplier: still ``scale`` times the base's variance."""
+    torch.manual_seed(0)
+    base = nn.Linear(64, 48)
+    with torch.no_grad():
+        base.weight.mul_(magnitude / base.weight.std())
+    x = torch.randn(512, 64)
+    ratios = []
+    for seed in range(8):
+        torch.manual_seed(seed)
+        model, report = tnspec.adapt(copy.deepcopy(base), "cp", rank=4, scale=0.25)
+        zeroed = getattr(model.adapters["default"], report.adapted[0].zeroed)
+        with torch.no_grad():
+            zeroed.normal_()
+            ratios.append(((model(x) - base(x)).var() / (x @ base.weight.T).var()).item())
+    assert 0.25 * 0.7 < sum(ratios) / len(ratios) < 0.25 * 1.3, ratios
+
+
 def test_state_dict_holds_only_adapters_and_reloads_onto_a_fresh_model():
     torch.manual_seed(0)
     fresh = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1, padding_mode="circular"), nn.ReLU(),

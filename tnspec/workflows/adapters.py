@@ -25,6 +25,7 @@ from ..errors import SpecError
 from ..ir import Network
 from ..shapes import geometry, nn_attributes
 from ..language.parse import parse
+from ..language.settings import SCALE_RANGE
 from ..analysis.init import core_inits
 from ..fit import decompose
 from ..nn import formats
@@ -241,7 +242,11 @@ def adapter_layer(base: nn.Module, fmt: Fmt, rank: int | float | None, scale: fl
     if not variance > 0 or not math.isfinite(variance):
         variance = scale / (weight[0].numel() or 1)
         note = "the base weight is zero or not finite: scaled for Kaiming's fan-in variance"
-    net = _with_options(net, init="graph-in", activation=1.0 / variance, bias=False)
+    # Graph-in for an output variance of `variance`: the activation scale is 1 / variance,
+    # within the range whose stds are finite; what a very small (or large) base weight leaves
+    # over is carried by the output's multiplier below
+    activation = min(max(1.0 / variance, SCALE_RANGE[0]), SCALE_RANGE[1])
+    net = _with_options(net, init="graph-in", activation=activation, bias=False)
     cls = TensorizedLinear if isinstance(base, nn.Linear) else TensorizedConv
     layer = cls(net, dtype=weight.dtype, device=weight.device)
     zeroed = decompose.output_core(net) if zero is None else zero
@@ -251,7 +256,7 @@ def adapter_layer(base: nn.Module, fmt: Fmt, rank: int | float | None, scale: fl
                         hint=f"the cores are {', '.join(stds)}")
     with torch.no_grad():
         getattr(layer, zeroed).zero_()
-    return layer, stds[zeroed], pad, zeroed, note
+    return layer, stds[zeroed] * math.sqrt(variance * activation), pad, zeroed, note
 
 
 def _padding(base: nn.Module) -> tuple[Any, tuple[tuple[int, ...], str] | None]:
