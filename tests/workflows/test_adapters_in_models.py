@@ -213,3 +213,29 @@ def test_compress_says_which_layers_it_found_and_why_it_left_them():
     with pytest.raises(tnspec.SpecError, match=r"no layer to compress: 0.base: inside the "
                                                r"adapted layer '0'"):
         tnspec.compress(model, 0.5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_peft_runs_tnspec_adapters_beside_a_half_precision_model(dtype):
+    """PEFT keeps adapters in float32 beside a bf16 or fp16 base, as for its own LoRA: the
+    input is cast to the adapter's dtype, and its output back."""
+    peft = pytest.importorskip("peft")
+    from tnspec.workflows.peft_bridge import register_peft
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 8)).to(dtype)
+    x = torch.randn(4, 16).to(dtype)
+    ref = base(x)
+    model = peft.get_peft_model(copy.deepcopy(base), register_peft(
+        peft.LoraConfig(r=2, target_modules=["0", "2"]), "cp"))
+    assert {p.dtype for n, p in model.named_parameters() if "lora_tn" in n} == {torch.float32}
+    y = model(x)
+    assert y.dtype == dtype and torch.equal(y, ref)
+    opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    model(x).float().pow(2).mean().backward()
+    opt.step()
+    with torch.no_grad():
+        trained = model(x)
+    assert not torch.equal(trained, ref)
+    merged = model.merge_and_unload()
+    with torch.no_grad():
+        torch.testing.assert_close(merged(x), trained, rtol=2e-2, atol=2e-2)

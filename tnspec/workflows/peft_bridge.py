@@ -115,11 +115,13 @@ def _layer_class(fmt: str, scale: float, options: dict[str, Any]) -> type:
                 return y
             for adapter in self.active_adapters:
                 if adapter in self.lora_tn:
-                    pad = self.tn_pad[adapter]
+                    pad, layer = self.tn_pad[adapter], self.lora_tn[adapter]
                     xa = x if pad is None else F.pad(x, pad[0], mode=pad[1])
+                    # PEFT keeps adapters in float32 beside a bf16 or fp16 base
+                    a = layer(xa.to(next(layer.parameters()).dtype)).to(y.dtype)
                     # not torch.add(..., alpha=): inductor (torch 2.13) drops alpha after a
                     # matmul
-                    y = y + self.scaling[adapter] * self.lora_tn[adapter](xa)
+                    y = y + self.scaling[adapter] * a
             return y
 
         def __repr__(self) -> str:
