@@ -120,11 +120,27 @@ def lookup_candidates(net: Network, model: CostModel | None = None, *,
     return kept
 
 
+#: up to this many cuts (9 modes) every one is priced; past it, those of at most three runs and
+#: one run per mode: where the best cuts lie (two runs for a large vocabulary, one when the
+#: lookups outnumber the rows), and n^2 / 2 of them rather than 2^(n-1) (14 modes: 92, not
+#: 8,192, each priced through opt_einsum)
+ALL_CUTS = 256
+
+
 def _cuts(n: int) -> list[tuple[int, ...]]:
+    """The ways to cut n modes into runs that are priced, as the runs' lengths."""
+    if n <= 1 or 2 ** (n - 1) <= ALL_CUTS:
+        return _every_cut(n)
+    few = [(n,)] + [(a, n - a) for a in range(1, n)] + \
+        [(a, b, n - a - b) for a in range(1, n - 1) for b in range(1, n - a)]
+    return few + [(1,) * n]
+
+
+def _every_cut(n: int) -> list[tuple[int, ...]]:
     """Every way to cut n modes into runs, as the runs' lengths."""
     if n == 0:
         return [()]
-    return [(k, *rest) for k in range(1, n + 1) for rest in _cuts(n - k)]
+    return [(k, *rest) for k in range(1, n + 1) for rest in _every_cut(n - k)]
 
 
 def _price(net: Network, cut: tuple[int, ...]) -> LookupPlan | None:
