@@ -26,29 +26,44 @@ MAX_RANK = 512
 
 
 def patches(x: Tensor, kernel: Sequence[int], stride: Sequence[int], padding: Sequence[int],
-            dilation: Sequence[int]) -> Tensor:
+            dilation: Sequence[int], max_rows: int | None = None,
+            seed: int | None = None) -> Tensor:
     """``(rows, C * prod(kernel))``: every patch a conv of these settings reads from ``x``
-    (``(N, C, *spatial)``), flattened as ``(c, k1, k2, ...)`` like ``weight[o]``."""
+    (``(N, C, *spatial)``), flattened as ``(c, k1, k2, ...)`` like ``weight[o]``; past
+    ``max_rows`` of them, a random subset (by default the one :func:`factor` would keep; another
+    ``seed`` draws another), picked before any patch is copied: memory follows the subset, not
+    the batch."""
     d = len(kernel)
     x = F.pad(x, [p for pad in reversed(padding) for p in (pad, pad)])
     for axis in range(d):
         span = dilation[axis] * (kernel[axis] - 1) + 1
         x = x.unfold(2 + axis, span, stride[axis])  # (N, C, out..., window)
         x = x[..., ::dilation[axis]]
-    # x: (N, C, out_1..out_d, k_1..k_d)
+    # x: (N, C, out_1..out_d, k_1..k_d), a view; (N, out..., C, k...) after the permute
     n, c = x.shape[:2]
     x = x.permute(0, *range(2, 2 + d), 1, *range(2 + d, 2 + 2 * d))
+    count = math.prod(x.shape[:1 + d])
+    if max_rows is not None and count > max_rows:
+        where = torch.unravel_index(subset(count, max_rows, seed), x.shape[:1 + d])
+        x = x[tuple(i.to(x.device) for i in where)]  # (max_rows, C, k...): a copy of those
     return x.reshape(-1, c * math.prod(kernel))
+
+
+def subset(count: int, keep: int, seed: int | None = None) -> Tensor:
+    """The rows kept of ``count``: a random ``keep`` of them, the same for the same count and
+    ``seed`` (by default the count; own generator, the global RNG untouched)."""
+    gen = torch.Generator().manual_seed(count if seed is None else seed)
+    return torch.randperm(count, generator=gen)[:keep]
 
 
 def factor(rows: Tensor, groups: int = 1, *, max_rows: int = MAX_ROWS,
            max_rank: int = MAX_RANK) -> Tensor:
     """``L`` of shape ``(groups, P, q)`` with ``L[g] L[g]^T`` the mean of ``p p^T`` over the
     rows of group ``g`` (``rows``: ``(n, groups * P)``), in float64."""
-    rows = rows.detach().to(torch.float64)
-    if rows.shape[0] > max_rows:
-        gen = torch.Generator().manual_seed(rows.shape[0])
-        rows = rows[torch.randperm(rows.shape[0], generator=gen)[:max_rows].to(rows.device)]
+    rows = rows.detach()
+    if rows.shape[0] > max_rows:  # before the float64 copy
+        rows = rows[subset(rows.shape[0], max_rows).to(rows.device)]
+    rows = rows.to(torch.float64)
     per = rows.shape[1] // groups
     factors = []
     for g in range(groups):
@@ -99,5 +114,5 @@ def of_inputs(layer: Any, inputs: Tensor) -> Tensor:
     if x.dim() != d + 2 or x.shape[1] != layer.in_channels:
         raise SpecError(f"inputs of shape {tuple(x.shape)} are not (N, {layer.in_channels}, "
                         f"...) with {d} spatial axes")
-    rows = patches(x, layer.kernel_size, layer.stride, layer.padding, layer.dilation)
+    rows = patches(x, layer.kernel_size, layer.stride, layer.padding, layer.dilation, MAX_ROWS)
     return factor(rows, layer.groups)  # rows are (c, k...) over all channels: group-major

@@ -40,16 +40,16 @@ def inputs(model: nn.Module, layers: list[tuple[str, nn.Module]], data: Any,
         def record(_: nn.Module, args: tuple) -> None:
             x = args[0].detach()
             shapes.setdefault(name, tuple(x.shape))
+            keep = max(moments.MAX_ROWS // max_batches, 1)
+            seed = len(rows[name])  # each batch its own subset
             if isinstance(module, nn.Linear):
                 r = x.reshape(-1, x.shape[-1])
-            else:
+                if r.shape[0] > keep:
+                    r = r[moments.subset(r.shape[0], keep, seed).to(r.device)]
+            else:  # sampled before any patch is copied
                 x = x if x.dim() == len(module.kernel_size) + 2 else x.unsqueeze(0)
-                r = moments.patches(x, module.kernel_size, module.stride,
-                                    _padding(module), module.dilation)
-            keep = max(moments.MAX_ROWS // max_batches, 1)
-            if r.shape[0] > keep:
-                gen = torch.Generator().manual_seed(len(rows[name]))
-                r = r[torch.randperm(r.shape[0], generator=gen)[:keep].to(r.device)]
+                r = moments.patches(x, module.kernel_size, module.stride, _padding(module),
+                                    module.dilation, keep, seed)
             rows[name].append(r.double())
         return record
     _run(model, layers, data, max_batches, hook)
