@@ -177,25 +177,32 @@ def calibrate(device: torch.device | str = "cpu", dtype: torch.dtype = torch.flo
     seconds = time.perf_counter() - start
     logger.log(logging.INFO if seconds > 1 else logging.DEBUG, "calibrated %s in %.1f s",
                key, seconds)
-    if found_doubts:  # kept for this process only: the next one measures again
+    if found_doubts:
+        # the decision is kept for FALLBACK_SECONDS, so that the processes started meanwhile
+        # on the busy machine do not each measure (and warn) again
+        conditions["until"] = time.time() + FALLBACK_SECONDS
+        until = time.strftime("%H:%M", time.localtime(conditions["until"]))
         warnings.warn(f"tnspec: the calibration of {key} was not plausible twice "
-                      f"({'; '.join(found_doubts)}), as on a busy machine: this process plans "
-                      "with the built-in constants; run `tnspec calibrate --refresh` when the "
-                      "machine is idle", stacklevel=2)
+                      f"({'; '.join(found_doubts)}), as on a busy machine: tnspec plans with "
+                      f"the built-in constants until {until} and then measures again; run "
+                      "`tnspec calibrate --refresh` when the machine is idle", stacklevel=2)
         builtin = CostModel(scale=2.0 if dtype.itemsize == 8 else 1.0)
-        _memory[key] = builtin
-        return Calibration(key, builtin, error, seconds, len(samples), conditions)
-    found = Calibration(key, model, error, seconds, len(samples), conditions)
+        found = Calibration(key, builtin, error, seconds, len(samples), conditions)
+    else:
+        found = Calibration(key, model, error, seconds, len(samples), conditions)
 
     def store(devices: cache.Devices, choices: cache.Choices) -> None:
         devices[key] = _entry(found)
         if refresh:  # the device's measured choices go too
             for k in [k for k in choices if k.startswith(key + " | ")]:
                 del choices[k]
-    _memory[key] = model
+    _memory[key] = found.model
     _choices = cache.update(store)[1]
     return found
 
+
+#: how long a busy machine's decision to plan with the built-in constants is kept
+FALLBACK_SECONDS = 3600.0
 
 #: what no idle measurement gives: a fit past these was taken under load, or from noise
 MAX_OVERHEAD = 2e-3  # seconds per step (idle: about 0.1-0.3 ms on a CPU, 10 us on a GPU)
@@ -269,8 +276,9 @@ def _conditions(c: dict[str, Any]) -> str:
     text = (f"\n  measured{load} on {c.get('cpus')} CPUs{others}, {c.get('attempts')} attempt(s), "
             f"repeats spread x{c.get('spread')}")
     if c.get("doubts"):
+        until = time.strftime("%Y-%m-%d %H:%M", time.localtime(c.get("until", 0)))
         text += (f"\n  not plausible ({'; '.join(c['doubts'])}): the built-in constants are "
-                 "used, and nothing was kept")
+                 f"used until {until}, then it is measured again")
     return text
 
 
@@ -382,6 +390,10 @@ def _read() -> tuple[dict[str, Calibration], dict[str, dict[str, Any]]]:
             warnings.warn(f"tnspec: ignoring the corrupt cached calibration {key} "
                           f"({type(exc).__name__}: {exc}); it is measured again", stacklevel=3)
             continue
+        if "until" in found.conditions:  # a busy machine's decision: the built-in constants
+            if found.conditions["until"] > time.time() and model == CostModel(scale=model.scale):
+                entries[key] = found
+            continue  # expired (or edited): measured again
         dubious = doubts(model, found.error, 1.0, key.split(" ", 1)[0])
         if dubious:  # kept by an older tnspec, or edited by hand: measured again
             warnings.warn(f"tnspec: ignoring the cached calibration {key} "
