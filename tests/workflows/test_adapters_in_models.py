@@ -6,6 +6,7 @@ left the model changed before an error."""
 from __future__ import annotations
 
 import copy
+import json
 import warnings
 
 import pytest
@@ -239,3 +240,31 @@ def test_peft_runs_tnspec_adapters_beside_a_half_precision_model(dtype):
     merged = model.merge_and_unload()
     with torch.no_grad():
         torch.testing.assert_close(merged(x), trained, rtol=2e-2, atol=2e-2)
+
+
+def test_peft_refuses_saved_tnspec_adapters_without_the_registered_config(tmp_path):
+    """Loaded as PEFT's plain LoRA, they would compute the base model's outputs (a warning
+    about missing keys aside): the saved config lets only the registered one load them."""
+    peft = pytest.importorskip("peft")
+    from tnspec.workflows.peft_bridge import register_peft
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 8))
+    config = register_peft(peft.LoraConfig(r=2, target_modules=["0", "2"]), "cp", scale=0.5)
+    model = peft.get_peft_model(copy.deepcopy(base), config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_tn" in name:
+                p.normal_()
+    model.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "adapter_config.json").read_text())
+    assert saved["tnspec"] == {"format": "cp", "scale": 0.5, "options": {},
+                               "target_modules": ["0", "2"]}
+    with pytest.raises(Exception, match=r"tnspec adapters: load them with PeftModel"
+                       r".from_pretrained\(model, path, config=tnspec.register_peft"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # PEFT's own about the unknown 'tnspec' key
+            peft.PeftModel.from_pretrained(copy.deepcopy(base), tmp_path)
+    loaded = peft.PeftModel.from_pretrained(copy.deepcopy(base), tmp_path, config=config)
+    x = torch.randn(3, 16)
+    torch.testing.assert_close(loaded(x), model(x))
+    assert config.target_modules == {"0", "2"}  # the live config is as it was

@@ -6,12 +6,14 @@ adapter of that format at rank ``config.r``, built and initialized as :func:`tns
 builds it. ``get_peft_model``, ``save_pretrained``, ``PeftModel.from_pretrained(model, path,
 config=config)`` and ``merge_and_unload`` then work as for PEFT's own LoRA. What PEFT keeps in
 its own hands: ``lora_alpha`` (tnspec's init rule sets the scaling), ``lora_dropout`` and
-``init_lora_weights`` are ignored, and the registration is not saved in ``adapter_config.json``
-(pass the registered config to ``from_pretrained``).
+``init_lora_weights`` are ignored. ``adapter_config.json`` keeps the registration under
+``tnspec`` and targets that only the registered config loads: ``from_pretrained`` without it
+refuses, saying what to pass, rather than load PEFT's plain LoRA beside cores it cannot read.
 """
 
 from __future__ import annotations
 
+import types
 from typing import Any
 
 import torch
@@ -32,7 +34,30 @@ def register_peft(config: Any, fmt: str = "tt", *, scale: float = 1.0,
     ``config``."""
     cls = _layer_class(fmt, scale, dict(options))
     config._register_custom_module({kind: cls for kind in (nn.Linear, *_CONVS)})
+    config.to_dict = types.MethodType(_saved(type(config).to_dict, fmt, scale, options), config)
     return config
+
+
+#: the target_modules written to adapter_config.json: PEFT loading it without the registered
+#: config finds no such module and stops with this text, rather than load its plain LoRA
+#: layers beside the tnspec cores it cannot read (and compute the base model's outputs)
+REFUSAL = ("tnspec adapters: load them with PeftModel.from_pretrained(model, path, "
+           "config=tnspec.register_peft(LoraConfig(...), fmt)), format and targets in this "
+           "file's 'tnspec'")
+
+
+def _saved(to_dict: Any, fmt: str, scale: float, options: dict[str, Any]) -> Any:
+    """The config's ``to_dict`` as ``save_pretrained`` writes it: the registration under
+    ``tnspec``, and targets that only the registered config loads."""
+    def saved(self: Any) -> dict[str, Any]:
+        out = to_dict(self)
+        targets = out.get("target_modules")
+        out["tnspec"] = {"format": fmt, "scale": scale, "options": options,
+                         "target_modules": sorted(targets) if isinstance(targets, (set, list))
+                         else targets}
+        out["target_modules"] = [REFUSAL]
+        return out
+    return saved
 
 
 def _registered(config: Any, base: nn.Module) -> type | None:
