@@ -188,7 +188,6 @@ def test_exact_recovery_of_a_table_of_that_format(fmt):
     torch.testing.assert_close(fitted.dense_weight(), table, atol=1e-4, rtol=1e-3)
 
 
-
 @pytest.mark.parametrize("rows", [10, 1001])
 def test_fit_refuses_a_table_of_another_size_before_touching_the_cores(rows):
     emb = tnspec.embedding("tt", 1000, 8, rank=2)
@@ -197,6 +196,7 @@ def test_fit_refuses_a_table_of_another_size_before_touching_the_cores(rows):
                        rf"\[{rows}, 8\]"):
         emb.fit_(torch.randn(rows, 8))
     assert unchanged(before, emb)
+
 
 def test_tensorize_fit_and_merge_round_trip():
     torch.manual_seed(0)
@@ -261,8 +261,11 @@ def test_lookup_plan_builds_the_table_only_when_lookups_outnumber_rows():
 
 
 def test_embedding_format_checks_its_arguments():
-    with pytest.raises(tnspec.SpecError, match="unknown embedding format 'tucker2'"):
+    with pytest.raises(tnspec.SpecError, match="tucker2 has no embedding form: an "
+                                               "embedding's formats are tt, tr, cp, tucker"):
         tnspec.embedding("tucker2", 100, 8)
+    with pytest.raises(tnspec.SpecError, match="unknown embedding format 'bogus'"):
+        tnspec.embedding("bogus", 100, 8)
     with pytest.raises(tnspec.SpecError, match="padding_idx=100 is not an index"):
         tnspec.embedding("tt", 100, 8, padding_idx=100)
     with pytest.raises(tnspec.SpecError, match="do not fit"):

@@ -131,6 +131,8 @@ def test_auto_restores_batch_norm_statistics_and_the_random_state(fake_clock):
     ({"memory_format": "auto", "example": (2, 3)},
      r"chooses the layout of images \(4-D input\) or volumes \(5-D\); the example has 2"),
     ({"memory_format": "auto", "example": (2, 5, 8, 8)}, r"the model failed on the example"),
+    ({"memory_format": "auto", "example": torch.randn(8, 3, 8)},
+     r"the example has 3 dimension\(s\)"),
     ({"memory_format": "auto", "example": "big"}, r"example='big'"),
     ({"memory_format": "auto", "example": "2388"}, r"example='2388'"),
 ])

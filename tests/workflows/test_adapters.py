@@ -298,6 +298,20 @@ def test_bad_arguments_are_clear_errors():
         tnspec.load_adapters(nn.Sequential(nn.Linear(5, 4)), state)
 
 
+@pytest.mark.parametrize("name", ["train", "eval", "type", "keys"])
+def test_an_adapter_name_nn_module_dict_has_is_refused(name):
+    with pytest.raises(tnspec.SpecError, match=f"adapter name '{name}' is taken by "
+                                               "nn.ModuleDict"):
+        tnspec.adapt(nn.Sequential(nn.Linear(4, 4)), "cp", rank=2, name=name)
+
+
+def test_an_adapter_larger_than_its_layer_is_said():
+    with pytest.warns(UserWarning, match="adapter of 0 has more parameters than the layer"):
+        _, report = tnspec.adapt(nn.Sequential(nn.Linear(16, 2)), "tt", rank=8)
+    assert "more parameters than the layer it adapts" in report.adapted[0].note
+    assert report.adapted[0].params > report.adapted[0].base_params
+
+
 def test_a_zero_weight_still_gives_a_scaled_adapter():
     conv = nn.Conv2d(4, 4, 3)
     with torch.no_grad():

@@ -197,6 +197,25 @@ def test_a_rank_that_is_no_rank_is_one_error_before_anything_changes(rank):
     assert unchanged(before, model)
 
 
+@pytest.mark.parametrize("rank_multiple", [0, 1.5, "16"])
+def test_a_rank_multiple_that_is_no_size_is_one_error(rank_multiple):
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 8, 3))
+    before = snapshot(model)
+    with pytest.raises(tnspec.SpecError, match="rank_multiple=.* must be a positive int"):
+        tnspec.tensorize(model, "cp", rank=0.5, rank_multiple=rank_multiple)
+    assert unchanged(before, model)
+
+
+def test_the_report_says_unchanged_or_more_and_why_an_embedding_has_no_such_format():
+    _, report = tnspec.tensorize(nn.Sequential(nn.LayerNorm(4)), "cp")
+    assert "model parameters 8 -> 8 (unchanged)" in str(report)
+    _, report = tnspec.tensorize(nn.Sequential(nn.Linear(4, 4)), "cp", rank=6)
+    assert "x more)" in str(report)
+    _, report = tnspec.tensorize(nn.Sequential(nn.Embedding(100, 8)), "tucker2")
+    assert report.skipped == (("0", "tucker2 has no embedding form: an embedding's formats are "
+                               "tt, tr, cp, tucker"),)
+
+
 def test_an_unknown_format_is_refused():
     with pytest.raises(tnspec.SpecError, match="unknown format 'tucker3'"):
         tnspec.tensorize(nn.Linear(4, 4), "tucker3")

@@ -17,7 +17,7 @@ from torch import nn
 
 from ..errors import SpecError
 from ..language.settings import positive_int
-from .formats import Format
+from .formats import NAMES, Format
 
 __all__ = ["EMBEDDING_FORMATS", "EmbeddingBag", "embedding", "embedding_bag",
            "embedding_format"]
@@ -59,7 +59,9 @@ def embedding_format(fmt: str, num_embeddings: int, embedding_dim: int, *,
     'x[b] in (v0 v1 v2), G0[v0, d0, r0], G1[r0, v1, d1, r1], G2[r1, v2, d2] -> y[b, (d0 d1 d2)]'
     """
     if fmt not in EMBEDDING_FORMATS:
-        raise SpecError(f"unknown embedding format {fmt!r}",
+        raise SpecError(f"{fmt} has no embedding form: an embedding's formats are "
+                        f"{', '.join(EMBEDDING_FORMATS)}" if fmt in NAMES else
+                        f"unknown embedding format {fmt!r}",
                         hint=f"choose one of {', '.join(EMBEDDING_FORMATS)}, or write a spec "
                         "with an index input, e.g. 'x[b] in (v0 v1), A[v0, d0, r], "
                         "B[r, v1, d1] -> y[b, (d0 d1)]'")

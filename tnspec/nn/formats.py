@@ -178,7 +178,11 @@ def check_rank(rank: Rank) -> None:
 
 def check_rank_multiple(rank: Rank, rank_multiple: int) -> None:
     """Raise :class:`SpecError` where ``rank_multiple`` has nothing to round: it rounds the
-    rank of a share (a float ``rank``), not a rank given as an int or a tuple."""
+    rank of a share (a float ``rank``), not a rank given as an int or a tuple; or where it is
+    not a positive int."""
+    if positive_int(rank_multiple) is None:
+        raise SpecError(f"rank_multiple={rank_multiple!r} must be a positive int",
+                        hint="e.g. 16, the vector width a CPU convolution pads channels to")
     if rank_multiple != 1 and not isinstance(rank, float):
         raise SpecError(f"rank_multiple={rank_multiple!r} with rank={rank!r}",
                         hint="rank_multiple rounds the rank of a share: give rank=0.25 (a "

@@ -85,9 +85,10 @@ def resolve(memory_format: str | torch.memory_format | None,
             except (TypeError, ValueError):
                 raise SpecError(f"example={example!r}", hint="an input batch or its shape, "
                                 "such as (32, 3, 224, 224)") from None
-        if len(example.shape if isinstance(example, torch.Tensor) else example) not in (4, 5):
+        dims = len(example.shape if isinstance(example, torch.Tensor) else example)
+        if dims not in (4, 5):
             raise SpecError("memory_format='auto' chooses the layout of images (4-D input) or "
-                            f"volumes (5-D); the example has {len(example)} dimension(s)")
+                            f"volumes (5-D); the example has {dims} dimension(s)")
         return "auto"
     name = names.get(memory_format) if isinstance(memory_format, torch.memory_format) else \
         memory_format if memory_format in names.values() else None

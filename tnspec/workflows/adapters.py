@@ -15,6 +15,7 @@ nor the format. ``adapter_state`` holds merging, saving and switching.
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -124,6 +125,9 @@ def adapt(model: nn.Module, fmt: Fmt = "low_rank", *, rank: int | float | None =
     if not isinstance(name, str) or not name.isidentifier():
         raise SpecError(f"adapter name {name!r} must be a Python identifier",
                         hint='e.g. name="task_b"')
+    if hasattr(nn.ModuleDict, name):  # the adapters are held in one
+        raise SpecError(f"adapter name {name!r} is taken by nn.ModuleDict, which holds the "
+                        "adapters", hint='e.g. name="task_b"')
     # arguments that would have every layer skipped are one error, before anything changes
     if isinstance(fmt, str) and fmt not in formats.NAMES and "[" not in fmt:
         raise SpecError(f"unknown format {fmt!r}", hint=f"choose one of "
@@ -170,9 +174,16 @@ def adapt(model: nn.Module, fmt: Fmt = "low_rank", *, rank: int | float | None =
             set_submodule(model, path, owner)
         else:
             root = owner
-        adapted.append(Adaptation(path, repr(module), layer.spec,
-                                  sum(p.numel() for p in layer.parameters()),
-                                  sum(p.numel() for p in module.parameters()), zeroed, note))
+        own, theirs = (sum(p.numel() for p in m.parameters()) for m in (layer, module))
+        if own > theirs:
+            note = "; ".join(filter(None, [note, "more parameters than the layer it adapts: "
+                                           "train the layer itself, or give a smaller rank"]))
+        adapted.append(Adaptation(path, repr(module), layer.spec, own, theirs, zeroed, note))
+    larger = [a.name or "the model" for a in adapted if a.params > a.base_params]
+    if larger:
+        warnings.warn(f"adapt: the adapter of {', '.join(larger[:4])}"
+                      f"{', ...' if len(larger) > 4 else ''} has more parameters than the "
+                      "layer it adapts (see the report)", stacklevel=2)
     if not adapted:  # nothing was changed: say why rather than report "100% train"
         first = f"{skipped[0][0]}: {skipped[0][1]}" + \
             (f" (and {len(skipped) - 1} more layer(s))" if len(skipped) > 1 else "") \

@@ -75,8 +75,7 @@ class Report:
     def __str__(self) -> str:
         lines = [f"tensorize: {len(self.replaced)} layer(s) to {self.format}, "
                  f"{len(self.skipped)} skipped; model parameters {self.params_before:,} -> "
-                 f"{self.params_after:,} ({self.params_before / max(self.params_after, 1):.1f}x "
-                 "fewer)"]
+                 f"{self.params_after:,} ({_ratio(self.params_before, self.params_after)})"]
         if self.layout is not None:
             lines.append(f"  {self.layout}")
         for r in self.replaced:
@@ -230,6 +229,15 @@ def tensorize(model: nn.Module, format: str = "tucker2", *, rank: int | float = 
     chosen = layout.apply(model, layout_asked, example)
     return model, Report(format, tuple(replaced), tuple(skipped), before, after, tuple(kinds),
                          tuple(sorted(other.items())), chosen)
+
+
+def _ratio(before: int, after: int) -> str:
+    """``"4.2x fewer"``, ``"1.3x more"`` or ``"unchanged"``."""
+    if before == after:
+        return "unchanged"
+    if after < before:
+        return f"{before / max(after, 1):.1f}x fewer"
+    return f"{after / max(before, 1):.1f}x more"
 
 
 def _tied(model: nn.Module) -> dict[str, str]:
