@@ -7,8 +7,8 @@ adapters, deepcopy and, in the long profile, torch.compile. After every step:
 - outputs are equal where the workflow promises it (adapt at init, merge, merge_adapters, a
   reload of saved adapters, a standard-format fit, deepcopy, compile);
 - a frozen base stays frozen: tensorize, compress and merges make no base parameter trainable;
-- the embedding tied to the language model's head keeps its values (nothing merges into a
-  tied tensor).
+- the embedding tied to the language model's head keeps its values while the tie holds
+  (nothing merges into a tied tensor).
 
 The suite runs a bounded profile (under a minute); ``TNSPEC_FUZZ=long`` runs a longer one, with
 torch.compile steps::
@@ -110,7 +110,7 @@ class Workflows(RuleBasedStateMachine):
     # ---- rules ------------------------------------------------------------------------------
 
     @rule(fmt=st.sampled_from(["low_rank", "cp", "tucker2", "tt"]), name=st.sampled_from(NAMES),
-          rank=st.sampled_from([1, 2, 0.5, 0, 1.5]))
+          rank=st.sampled_from([1, 2, 0.5, 0]))  # 0: no rank, refused
     def adapt(self, fmt: str, name: str, rank: float) -> None:
         # the new adapter is zero and becomes the active one: the outputs stay where none was
         active = any(m.active for m in self.adapters())
@@ -181,13 +181,20 @@ class Workflows(RuleBasedStateMachine):
                            if id(p) not in adapter_params)
 
     @invariant()
-    def the_embedding_keeps_its_values(self) -> None:
-        """Whatever happens to the head tied to it: an adapter merged into the head unties
-        them (with a warning), after which tensorize may replace the embedding itself."""
-        if getattr(self, "embedding", None) is not None:
-            embed = self.model.embed
-            if isinstance(embed, nn.Embedding):
-                assert torch.equal(embed.weight, self.embedding)
+    def a_tied_embedding_keeps_its_values(self) -> None:
+        """While the head is tied to it, whatever happens to the head. An adapter merged into
+        the head unties them (with a warning); from then on the embedding is a layer like any
+        other, which tensorize may re-initialize."""
+        if getattr(self, "embedding", None) is None:
+            return
+        embed = getattr(self.model, "embed", None)
+        weight = getattr(embed, "weight", None)
+        tied = any(p is weight for m in self.model.modules() if m is not embed
+                   for p in m._parameters.values())
+        if not tied:
+            self.embedding = None
+            return
+        assert torch.equal(weight, self.embedding)
 
     @invariant()
     def model_runs(self) -> None:
@@ -196,6 +203,6 @@ class Workflows(RuleBasedStateMachine):
 
 
 Workflows.TestCase.settings = settings(
-    max_examples=200 if LONG else 25, stateful_step_count=20 if LONG else 8, deadline=None,
+    max_examples=200 if LONG else 60, stateful_step_count=20 if LONG else 12, deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 test_workflow_sequences = Workflows.TestCase
