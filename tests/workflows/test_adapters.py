@@ -312,6 +312,16 @@ def test_an_adapter_larger_than_its_layer_is_said():
     assert report.adapted[0].params > report.adapted[0].base_params
 
 
+def test_a_model_on_the_meta_device_is_adapted_for_kaimings_variance():
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8))
+    model, report = tnspec.adapt(model, "low_rank", rank=4)
+    assert all("on the meta device" in a.note for a in report.adapted)
+    assert all(p.is_meta for p in model.parameters())
+    model.to_empty(device="cpu")  # materialized as usual
+    assert model(torch.randn(2, 64)).shape == (2, 8)
+
+
 def test_a_zero_weight_still_gives_a_scaled_adapter():
     conv = nn.Conv2d(4, 4, 3)
     with torch.no_grad():

@@ -216,6 +216,12 @@ def test_the_report_says_unchanged_or_more_and_why_an_embedding_has_no_such_form
                                "tt, tr, cp, tucker"),)
 
 
+def test_an_excluded_embedding_is_not_called_a_kind_tensorize_does_not_replace():
+    model = nn.Sequential(nn.Embedding(100, 8), nn.Linear(8, 8), nn.LayerNorm(8))
+    _, report = tnspec.tensorize(model, "cp", rank=0.5, exclude=["0"])
+    assert report.other == (("LayerNorm", 1),)
+
+
 def test_an_unknown_format_is_refused():
     with pytest.raises(tnspec.SpecError, match="unknown format 'tucker3'"):
         tnspec.tensorize(nn.Linear(4, 4), "tucker3")

@@ -249,10 +249,11 @@ def adapter_layer(base: nn.Module, fmt: Fmt, rank: int | float | None, scale: fl
     weight = base.weight.detach()
     out = weight.shape[0]
     note = ""
-    variance = float(weight.double().pow(2).sum()) / out * scale
+    variance = math.nan if weight.is_meta else float(weight.double().pow(2).sum()) / out * scale
     if not variance > 0 or not math.isfinite(variance):
         variance = scale / (weight[0].numel() or 1)
-        note = "the base weight is zero or not finite: scaled for Kaiming's fan-in variance"
+        note = ("on the meta device (no values yet)" if weight.is_meta else "the base weight is "
+                "zero or not finite") + ": scaled for Kaiming's fan-in variance"
     # Graph-in for an output variance of `variance`: the activation scale is 1 / variance,
     # within the range whose stds are finite; what a very small (or large) base weight leaves
     # over is carried by the output's multiplier below

@@ -187,7 +187,7 @@ def tensorize(model: nn.Module, format: str = "tucker2", *, rank: int | float = 
                                         "an embedding", fit_error, error))
             continue
         if not isinstance(module, (nn.Linear, *_CONVS)) or isinstance(module, Layer):
-            if not isinstance(module, Layer) and \
+            if not isinstance(module, (Layer, nn.Embedding, nn.EmbeddingBag)) and \
                     next(module.parameters(recurse=False), None) is not None:
                 other[type(module).__name__] = other.get(type(module).__name__, 0) + 1
             continue
