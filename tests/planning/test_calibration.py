@@ -300,7 +300,7 @@ def test_measuring_for_real_times_every_step_and_leaves_rng_and_grad_mode_alone(
 
 def test_the_fixtures_idle_machine_is_plausible_and_fitted_back():
     model, error = measure.fit(idle_samples())
-    assert calibration.doubts(model, error, 1.0, "cpu") == []
+    assert measure.doubts(model, error, 1.0, "cpu") == []
     assert math.isclose(model.conv_rate, IDLE.conv_rate, rel_tol=1e-6)
 
 
@@ -390,7 +390,7 @@ def test_an_implausible_cached_calibration_is_dropped_and_measured_again(calibra
     with pytest.warns(UserWarning, match=r"ignoring the cached calibration .*overhead 56461 us"
                                          r" per step; einsum 1e\+15 MAC/s"):
         found = tnspec.calibrate()
-    assert found.model.overhead < calibration.MAX_OVERHEAD or found.conditions["doubts"]
+    assert found.model.overhead < measure.MAX_OVERHEAD or found.conditions["doubts"]
     assert found.model.einsum_rate != 1e15
 
 

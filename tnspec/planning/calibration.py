@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import math
 import os
 import platform
 import time
@@ -38,7 +37,8 @@ from ..progress import Progress
 from . import cache
 from . import choices as choices_
 from .cost import Chooser, CostModel, Mixing
-from .measure import MAX_RATE, batch_class, fit, measure, size_class, time_mixing
+from .measure import (MAX_RATE, batch_class, doubts, fit, measure, size_class,
+                      time_mixing)
 
 ENV_SWITCH = "TNSPEC_CALIBRATE"
 ENV_DIR, FILE_NAME, FORMAT = cache.ENV_DIR, cache.FILE_NAME, cache.FORMAT
@@ -203,46 +203,6 @@ def calibrate(device: torch.device | str = "cpu", dtype: torch.dtype = torch.flo
 
 #: how long a busy machine's decision to plan with the built-in constants is kept
 FALLBACK_SECONDS = 3600.0
-
-#: what no idle measurement gives: a fit past these was taken under load, or from noise
-MAX_OVERHEAD = 2e-3  # seconds per step (idle: about 0.1-0.3 ms on a CPU, 10 us on a GPU)
-MAX_ERROR = 2.5  # the fit's median error, as a factor
-MAX_SPREAD = 1.5  # the median step's median repeat over its fastest
-MAX_CPU_RATE = 1e13  # multiply-adds per second, beyond any CPU's peak
-MAX_CPU_BANDWIDTH = 1e12  # elements per second
-
-
-#: the constants that must be above zero (the overhead and c0 may be zero)
-_POSITIVE = frozenset({"conv_rate", "einsum_rate", "bandwidth", "einsum_bandwidth", "grouped",
-                       "scale"})
-
-
-def doubts(model: CostModel, error: float, spread: float, device_type: str) -> list[str]:
-    """Why a fitted model is not plausible (empty when it is): a constant that is not a
-    finite number, negative, or a zero rate; a per-step overhead, a fit
-    error or a spread between repeats that only a busy machine gives, or, on a CPU, a fitted
-    rate no CPU reaches. (A rate the samples do not bound at all, ``MAX_RATE``, is no doubt:
-    idle fits give it too, where that work costs too little to show beside the rest.)"""
-    found = [f"{f.name} {getattr(model, f.name)!r}" for f in fields(CostModel)
-             if not getattr(model, f.name) >= 0 or not math.isfinite(getattr(model, f.name))
-             or (getattr(model, f.name) == 0 and f.name in _POSITIVE)]
-    if found:  # a rate of zero would make every step free (or raise deep inside planning)
-        return found
-    if model.overhead > MAX_OVERHEAD:
-        found.append(f"overhead {model.overhead * 1e6:.0f} us per step")
-    if error > MAX_ERROR:
-        found.append(f"median error x{error:.2f}")
-    if spread > MAX_SPREAD:
-        found.append(f"repeats spread x{spread:.2f}")
-    if device_type == "cpu":
-        for name, value, limit, unit in (
-                ("conv", model.conv_rate, MAX_CPU_RATE, "MAC/s"),
-                ("einsum", model.einsum_rate, MAX_CPU_RATE, "MAC/s"),
-                ("bandwidth", model.bandwidth, MAX_CPU_BANDWIDTH, "elements/s"),
-                ("einsum bandwidth", model.einsum_bandwidth, MAX_CPU_BANDWIDTH, "elements/s")):
-            if limit < value < MAX_RATE:
-                found.append(f"{name} {value:.3g} {unit}")
-    return found
 
 
 def others_running() -> int | None:
