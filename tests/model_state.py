@@ -1,6 +1,6 @@
 """A model's whole state, to check that a workflow which raised left it exactly as it was: every
-parameter and buffer (values and ``requires_grad``), the module structure, and which adapter
-is active where."""
+parameter and buffer (values and ``requires_grad``), the module structure, which parameters
+are tied, and which adapter is active where."""
 
 from __future__ import annotations
 
@@ -16,6 +16,10 @@ def snapshot(model: nn.Module) -> dict[str, object]:
         f"param {n}": (p.detach().clone(), p.requires_grad) for n, p in model.named_parameters()}
     state |= {f"buffer {n}": b.detach().clone() for n, b in model.named_buffers()}
     state["structure"] = [(n, type(m).__name__, m.training) for n, m in model.named_modules()]
+    holders: dict[int, list[str]] = {}  # which names share one tensor: the ties
+    for n, p in model.named_parameters(remove_duplicate=False):
+        holders.setdefault(id(p), []).append(n)
+    state["ties"] = sorted(names for names in holders.values() if len(names) > 1)
     state["adapters"] = [(n, m.active, m.disabled) for n, m in model.named_modules()
                          if isinstance(m, tnspec.Adapted)]
     return state

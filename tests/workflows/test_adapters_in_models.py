@@ -61,6 +61,11 @@ def test_merging_an_adapter_of_a_tied_head_leaves_the_embedding_alone():
     assert merged.head.weight is not merged.embed.weight
     with torch.no_grad():
         torch.testing.assert_close(merged(ids), want, rtol=1e-5, atol=1e-5)
+    # a name no layer has: an error before anything is touched, the tie included
+    before = snapshot(model)
+    with pytest.raises(tnspec.SpecError, match="no layer has an adapter named 'c'"):
+        tnspec.merge_adapters(model, ["default", "c"], inplace=True)
+    assert unchanged(before, model) and before["ties"] == [["embed.weight", "head.base.weight"]]
     # in place as well: the shared tensor is never written
     with pytest.warns(UserWarning, match="shares its weight"):
         tnspec.merge_adapters(model, inplace=True)

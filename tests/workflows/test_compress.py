@@ -19,6 +19,8 @@ from tnspec import formats
 from tnspec.fit import moments
 from tnspec.workflows.compress import _allocate
 
+from ..model_state import snapshot, unchanged
+
 FAST = {"max_iter": 20, "max_seconds": 10}
 
 
@@ -184,7 +186,19 @@ def test_ctrl_c_leaves_the_model_unchanged():
     assert all(m.training for m in model.modules())
 
 
-def test_bad_arguments_are_clear_errors():
+def test_bad_arguments_are_clear_errors_before_anything_changes():
+    model = _model()
+    model[2].requires_grad_(False)
+    before = snapshot(model)
+    for kwargs, match in [
+            (dict(budget=0.5, formats=("tucker", "cp2")), "unknown format 'cp2'"),
+            (dict(budget=0.5, data=iter([])), "data= holds no batch"),
+            (dict(budget=0.5, include="nothing"), "no layer to compress"),
+            (dict(budget=0.001, formats=("cp",), shares=(0.5,), fit=FAST,
+                  data=torch.randn(4, 3, 8, 8)), "below what the smallest candidates need")]:
+        with pytest.raises(tnspec.SpecError, match=match):  # the last one after every fit
+            tnspec.compress(model, **kwargs)
+        assert unchanged(before, model)
     with pytest.raises(tnspec.SpecError, match="budget=0 is a share"):
         tnspec.compress(_model(), 0)
     with pytest.raises(tnspec.SpecError, match="latency=True needs data="):

@@ -253,9 +253,11 @@ def doubts(model: CostModel, error: float, spread: float, device_type: str) -> l
     error or a spread between repeats that only a busy machine gives, or, on a CPU, a fitted
     rate no CPU reaches. (A rate the samples do not bound at all, ``MAX_RATE``, is no doubt:
     idle fits give it too, where that work costs too little to show beside the rest.)"""
-    found = [f"{f.name} {getattr(model, f.name)!r}" for f in fields(CostModel)
-             if not getattr(model, f.name) >= 0 or not math.isfinite(getattr(model, f.name))
-             or (getattr(model, f.name) == 0 and f.name in _POSITIVE)]
+    found = []
+    for f in fields(CostModel):
+        value = getattr(model, f.name)
+        if not (math.isfinite(value) and value >= 0) or (value == 0 and f.name in _POSITIVE):
+            found.append(f"{f.name} {value!r}")
     if found:  # a rate of zero would make every step free (or raise deep inside planning)
         return found
     if model.overhead > MAX_OVERHEAD:

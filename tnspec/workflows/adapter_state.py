@@ -22,7 +22,7 @@ from ..nn.api import _with_options, compile
 from .adapted import Adapted
 from .adapters import (_CONVS, TensorizedConv, TensorizedLinear, _adapted,
                        _geometry_differs, _padding, set_adapter)
-from .merge import set_submodule
+from .merge import parameter_holders, set_submodule
 
 FORMAT = "tnspec-adapters/1"  # the tag of adapter_state_dict's layout
 
@@ -63,7 +63,7 @@ def merge_adapters(model: nn.Module, name: str | Sequence[str] | None = None, *,
             raise SpecError(f"no layer has an adapter named {missing[0]!r}",
                             hint=f"the adapters are {', '.join(sorted(present)) or 'none'}")
     target = model if inplace else copy.deepcopy(model)
-    holders = _parameter_holders(target)
+    holders = parameter_holders(target)
     merged: dict[int, nn.Module] = {}
     for path, module in list(target.named_modules(remove_duplicate=False)):
         if not isinstance(module, Adapted):
@@ -82,16 +82,6 @@ def merge_adapters(model: nn.Module, name: str | Sequence[str] | None = None, *,
             return merged[id(module)]
         set_submodule(target, path, merged[id(module)])
     return target
-
-
-def _parameter_holders(model: nn.Module) -> dict[int, list[tuple[str, nn.Module]]]:
-    """Each parameter (by id) -> the modules that hold it as their own, with their names."""
-    holders: dict[int, list[tuple[str, nn.Module]]] = {}
-    for path, module in model.named_modules(remove_duplicate=False):
-        for p in module._parameters.values():
-            if p is not None:
-                holders.setdefault(id(p), []).append((path, module))
-    return holders
 
 
 def _write_weight(base: nn.Module, value: torch.Tensor, path: str,

@@ -35,7 +35,7 @@ from ..nn.module import Layer
 from .adapted import Adapted, inside_adapted
 from .merge import set_submodule
 from .tensorize import (_CONVS, Selector, TensorizedConv, TensorizedLinear, _check_forward,
-                        _read_directly, _selected)
+                        _read_directly, _selected, first_skipped)
 
 Fmt = str | formats.Format | Network
 
@@ -185,16 +185,14 @@ def adapt(model: nn.Module, fmt: Fmt = "low_rank", *, rank: int | float | None =
                       f"{', ...' if len(larger) > 4 else ''} has more parameters than the "
                       "layer it adapts (see the report)", stacklevel=2)
     if not adapted:  # nothing was changed: say why rather than report "100% train"
-        first = f"{skipped[0][0]}: {skipped[0][1]}" + \
-            (f" (and {len(skipped) - 1} more layer(s))" if len(skipped) > 1 else "") \
-            if skipped else "no nn.Linear or nn.Conv1d/2d/3d layer is selected"
-        raise SpecError(f"adapt changed nothing: {first}",
+        why = first_skipped(skipped) if skipped else \
+            "no nn.Linear or nn.Conv1d/2d/3d layer is selected"
+        raise SpecError(f"adapt changed nothing: {why}",
                         hint="check the format, rank= and zero=, or include= and exclude=")
     result = root if root is not None else model
-    if adapted:  # as get_peft_model: the new adapter alone trains
-        for p in result.parameters():
-            p.requires_grad_(False)
-        set_adapter(result, name)
+    for p in result.parameters():  # as get_peft_model: the new adapter alone trains
+        p.requires_grad_(False)
+    set_adapter(result, name)
     params = list(result.parameters())
     return result, AdaptReport(name, fmt if isinstance(fmt, str) and fmt in formats.NAMES
                                else "spec", tuple(adapted), tuple(skipped),

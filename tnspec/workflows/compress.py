@@ -37,7 +37,7 @@ from . import observe
 from .adapted import adapted_parts
 from .merge import set_submodule
 from .tensorize import (_CONVS, Selector, _check_forward, _keep_state, _read_directly,
-                        _replacement, _selected, _tied)
+                        _replacement, _selected, _tied, first_skipped)
 
 FORMATS = ("tucker2", "tt", "tr", "cp")
 SHARES = (0.05, 0.1, 0.2, 0.35, 0.5, 0.75)
@@ -198,9 +198,7 @@ def compress(model: nn.Module, budget: float = 0.25, formats: Sequence[str] = FO
             continue
         layers.append((name, module))
     if not layers:
-        why = f": {skipped[0][0]}: {skipped[0][1]}" + \
-            (f" (and {len(skipped) - 1} more layer(s))" if len(skipped) > 1 else "") \
-            if skipped else ""
+        why = f": {first_skipped(skipped)}" if skipped else ""
         raise SpecError(f"no layer to compress{why}",
                         hint="check include= and exclude=" if not skipped else None)
     if data is not None:  # read once: a generator would be empty the second time

@@ -24,7 +24,7 @@ from ..nn.layout import LayoutChoice
 from ..nn.module import Layer
 from .activations import following_activations
 from .adapted import adapted_parts
-from .merge import set_submodule
+from .merge import parameter_holders, set_submodule
 
 Selector = str | Sequence[str] | Callable[[str, nn.Module], bool] | None
 _CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
@@ -231,6 +231,13 @@ def tensorize(model: nn.Module, format: str = "tucker2", *, rank: int | float = 
                          tuple(sorted(other.items())), chosen)
 
 
+def first_skipped(skipped: Sequence[tuple[str, str]]) -> str:
+    """``"layer: why (and 2 more layer(s))"``: why a workflow that changed nothing did not."""
+    name, why = skipped[0]
+    return f"{name}: {why}" + (f" (and {len(skipped) - 1} more layer(s))"
+                               if len(skipped) > 1 else "")
+
+
 def _ratio(before: int, after: int) -> str:
     """``"4.2x fewer"``, ``"1.3x more"`` or ``"unchanged"``."""
     if before == after:
@@ -243,13 +250,9 @@ def _ratio(before: int, after: int) -> str:
 def _tied(model: nn.Module) -> dict[str, str]:
     """``{layer name: why}`` for the modules whose parameters are shared with another module,
     or that are registered under two names: replacing one would untie them."""
-    owners: dict[int, list[str]] = {}
-    for name, module in model.named_modules(remove_duplicate=False):
-        for p in module.parameters(recurse=False):
-            owners.setdefault(id(p), []).append(name)
     tied: dict[str, str] = {}
-    for names in owners.values():
-        unique = list(dict.fromkeys(names))
+    for holders in parameter_holders(model).values():
+        unique = list(dict.fromkeys(name for name, _ in holders))
         for name in unique:
             others = [n for n in unique if n != name]
             if others:
