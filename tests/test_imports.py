@@ -171,19 +171,22 @@ def test_stages_import_only_what_they_need():
     assert not {d for d in graph["workflows.adapters"] if d.startswith(("planning.", "emit."))}
     assert graph["workflows.adapter_state"] <= {"errors", "shapes", "nn.api",
                                                 "workflows.adapted", "workflows.adapters",
-                                                "workflows.merge"}
+                                                "workflows.dense_layers", "workflows.merge"}
+    # which modules are dense layers: below every workflow, knowing none
+    assert graph["workflows.dense_layers"] <= {"errors"}
     # every workflow may know the Adapted module; it knows none of them
     assert graph["workflows.adapted"] <= {"fit.decompose", "nn.module"}
     assert graph["workflows.peft_bridge"] <= {"errors", "workflows.adapted",
-                                              "workflows.adapters"}
+                                              "workflows.adapters", "workflows.dense_layers"}
     assert graph["fit.moments"] <= {"errors"}
-    assert graph["workflows.observe"] <= {"errors", "fit.moments"}
+    assert graph["workflows.observe"] <= {"errors", "fit.moments", "workflows.dense_layers"}
     assert graph["nn.embedding"] <= {"errors", "language.settings", "nn.api", "nn.formats"}
     # the model's memory format: measured as the layers' own orders are, no pipeline stage
     assert graph["nn.layout"] <= {"errors", "planning.calibration", "nn.autotune"}
     assert graph["workflows.compress"] <= {"errors", "progress", "nn.formats", "nn.module",
                                            "workflows.adapted", "workflows.tensorize",
-                                           "workflows.merge", "workflows.observe"}
+                                           "workflows.merge", "workflows.observe",
+                                           "workflows.dense_layers"}
     assert "__init__" not in set().union(*(d for m, d in graph.items() if m != "__main__"))
 
 

@@ -1,14 +1,20 @@
-"""Progress of long operations (fits, ``tensorize``) on stderr, where a person watches it.
+"""Progress of long operations (fits, ``tensorize``, ``compress``): always to the ``tnspec``
+logger (a record at INFO per finished item, at DEBUG per status update), and on stderr where a
+person watches it.
 
-Shown only when stderr is a terminal, so logs, CI output and piped runs stay clean: a status
-line rewritten in place at most once a second, and a permanent line per finished item.
+The stderr lines show only when stderr is a terminal, so CI output and piped runs stay clean: a
+status line rewritten in place at most once a second, and a permanent line per finished item.
+``logging.basicConfig(level=logging.INFO)`` shows the items anywhere.
 """
 
 from __future__ import annotations
 
+import logging
 import sys
 import time
 from typing import TextIO
+
+log = logging.getLogger("tnspec")
 
 
 class Progress:
@@ -24,12 +30,16 @@ class Progress:
     def update(self, text: str) -> None:
         """Rewrite the status line, at most once per ``every`` seconds."""
         now = time.monotonic()
-        if self.on and now - self.last >= self.every:
-            self.last, self.open = now, True
+        if now - self.last >= self.every:
+            self.last = now
+            log.debug("%s: %s (%.0f s)", self.what, text, now - self.start)
+        if self.on and self.last == now:
+            self.open = True
             self._write(f"\r{self.what}: {text} ({now - self.start:.0f} s)\x1b[K")
 
     def line(self, text: str) -> None:
         """A line that stays (one finished item)."""
+        log.info("%s: %s", self.what, text)
         if self.on:
             self.open = False
             self._write(f"\r{self.what}: {text}\x1b[K\n")

@@ -283,8 +283,8 @@ def test_bad_arguments_are_clear_errors():
             (dict(fmt="cp", rank=0), r"rank=0 is no rank"),
             (dict(fmt="cp", rank=1.5), r"rank=1.5 is no rank"),
             (dict(fmt="cp", rank=(2, -1)), r"rank=\(2, -1\) is no rank"),
-            (dict(fmt="cp", include="nothing"), "no nn.Linear or nn.Conv1d/2d/3d layer is "
-                                                "selected")]:
+            (dict(fmt="cp", include="nothing"), "no nn.Linear, nn.Conv1d/2d/3d or "
+                                                "transformers' Conv1D layer is selected")]:
         with pytest.raises(tnspec.SpecError, match=match):
             tnspec.adapt(model, **kwargs)
         assert unchanged(before, model)

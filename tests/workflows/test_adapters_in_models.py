@@ -45,31 +45,39 @@ class TiedLM(nn.Module):
         return self.head(torch.tanh(self.body(self.embed(ids))))
 
 
-def test_merging_an_adapter_of_a_tied_head_leaves_the_embedding_alone():
+def test_adapt_leaves_a_tied_head_out_and_merging_keeps_the_tie():
     torch.manual_seed(0)
     model = TiedLM()
     embedding = model.embed.weight.detach().clone()
     model, report = tnspec.adapt(model, "low_rank", rank=2)
-    assert {a.name for a in report.adapted} == {"body", "head"}
+    assert {a.name for a in report.adapted} == {"body"}
+    assert report.skipped == (("head", "its weight is tied to 'embed''s (shared weights): left "
+                               "alone so that merge_adapters keeps the tie"),)
+    assert "skipped head: its weight is tied to 'embed'" in str(report)
     _nudged(model)
     ids = torch.randint(0, 50, (3, 7))
     with torch.no_grad():
         want = model(ids)
-    with pytest.warns(UserWarning, match=r"'head' shares its weight with 'embed'"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing to warn of: the tie is never touched
         merged = tnspec.merge_adapters(model)
-    assert torch.equal(merged.embed.weight, embedding)  # the embedding did not take the delta
-    assert merged.head.weight is not merged.embed.weight
+    assert torch.equal(merged.embed.weight, embedding) and merged.head.weight is \
+        merged.embed.weight
     with torch.no_grad():
         torch.testing.assert_close(merged(ids), want, rtol=1e-5, atol=1e-5)
-    # a name no layer has: an error before anything is touched, the tie included
+    # an Adapted built by hand around a tied layer: merging gives it a weight of its own, with
+    # a warning, and never writes the shared tensor
+    model = TiedLM()
+    model.head = tnspec.Adapted(model.head)
+    model.head.add("default", tnspec.formats.low_rank(16, 50, rank=2).layer(), 1.0, None, "V")
+    model.head.active = "default"
     before = snapshot(model)
     with pytest.raises(tnspec.SpecError, match="no layer has an adapter named 'c'"):
         tnspec.merge_adapters(model, ["default", "c"], inplace=True)
     assert unchanged(before, model) and before["ties"] == [["embed.weight", "head.base.weight"]]
-    # in place as well: the shared tensor is never written
-    with pytest.warns(UserWarning, match="shares its weight"):
+    with pytest.warns(UserWarning, match=r"'head' shares its weight with 'embed'"):
         tnspec.merge_adapters(model, inplace=True)
-    assert torch.equal(model.embed.weight, embedding)
+    assert torch.equal(model.embed.weight, before["param embed.weight"][0])
 
 
 @pytest.mark.parametrize("kind", ["linear", "conv"])

@@ -12,7 +12,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Any, Mapping
 
 import opt_einsum
 import torch
@@ -120,8 +120,13 @@ def fit(net: Network, weight: Tensor, *, max_iter: int = 200, tol: float = 1e-7,
     fit so far is returned (the first start always runs at least one sweep).
 
     ``metric`` (``(groups, P, q)`` from :func:`tnspec.fit.moments.factor`, P the input channels
-    per group times the kernel) fits the outputs instead: ``||(W_fit - W) L||`` is minimized
-    from the weight-only fit (:func:`refit`, in the weight's precision, float32 at least).
+    per group times the kernel) fits the outputs instead: ``||(W_fit - W) L||`` (damped as
+    :func:`refit` damps it) is minimized. Where one core holds the whole input index and
+    there is no kernel (a linear layer, a 1x1 conv: low-rank, CP, Tucker-2 factors) that is a
+    weight-only fit of ``W S`` for the metric's square root ``S``, the input core then
+    multiplied by ``S^-1``: for a low-rank layer the truncated SVD in the inputs' metric, the
+    optimum (SVD-LLM's and ASVD's fit). Otherwise it is refined from the weight-only fit
+    (:func:`refit`, in the weight's precision, float32 at least).
     ``sweeps`` then bounds that start's ALS sweeps (default ``max_iter``): the refit moves
     the cores further than the last sweeps would, so a few are enough where time counts
     (``tnspec.compress`` runs 5)."""
@@ -134,6 +139,15 @@ def fit(net: Network, weight: Tensor, *, max_iter: int = 200, tol: float = 1e-7,
         raise SpecError("the weight to fit has NaN or infinite entries")
     check_options(max_iter=max_iter, tol=tol, starts=starts, hops=hops,
                   max_seconds=max_seconds, sweeps=sweeps)
+    whitening = None if metric is None else _whitening(net, lay, metric)
+    if whitening is not None:  # the data-aware fit is a weight-only fit, whitened
+        root, inverse, core, axis = whitening
+        w2 = weight.detach().to(torch.float64).reshape(lay.shape[0], -1) @ root
+        cores = fit(net, w2.reshape(lay.shape), max_iter=max_iter, tol=tol, starts=starts,
+                    hops=hops, max_seconds=max_seconds)
+        moved = torch.tensordot(cores[core], inverse, dims=([axis], [0]))
+        cores[core] = moved.movedim(-1, axis).contiguous()
+        return cores
     precision = torch.promote_types(weight.dtype, torch.float32)
     refit_iter, max_iter = max_iter, max_iter if metric is None or sweeps is None else sweeps
     began = time.monotonic()
@@ -226,6 +240,37 @@ def refit(net: Network, weight: Tensor, cores: Mapping[str, Tensor], metric: Ten
     with torch.enable_grad():
         opt.step(closure)
     return {n: p.detach().double() for n, p in params.items()}
+
+
+def _whitening(net: Network, lay: DenseLayout, metric: Tensor, damping: float = 0.01
+               ) -> tuple[Tensor, Tensor, str, int] | None:
+    """``(S, S^-1, core, axis)`` with ``S S^T = L L^T + ridge I`` (the metric, damped as
+    :func:`refit` damps it) where the whole input index is on one axis of one core and there
+    is no kernel and no group: then ``W_fit S`` is the network with that core times ``S``, and
+    the data-aware fit is a weight-only one. None otherwise."""
+    geo = geometry(net)
+    ins = [i for i in geo.inputs if i not in geo.groups]
+    holders = [c for c in net.cores if ins and ins[0] in c.indices]
+    if geo.groups or len(ins) != 1 or len(holders) != 1 or any(k != 1 for k in lay.shape[2:]) \
+            or metric.shape[0] != 1 or metric.shape[1] != lay.shape[1]:
+        return None
+    key = (metric, damping)
+    if _ROOTS.get("key", (None,))[0] is not metric or _ROOTS["key"][1] != damping:
+        m = metric[0].to(torch.float64)
+        ridge = damping * float(m.square().sum()) / m.shape[0]
+        if not ridge > 0:
+            return None
+        values, vectors = torch.linalg.eigh(m @ m.T + ridge * torch.eye(
+            m.shape[0], dtype=m.dtype, device=m.device))
+        values = values.clamp_min(ridge)
+        _ROOTS.update(key=key, value=((vectors * values.sqrt()) @ vectors.T,
+                                      (vectors * values.rsqrt()) @ vectors.T))
+    root, inverse = _ROOTS["value"]
+    return root, inverse, holders[0].name, list(holders[0].indices).index(ins[0])
+
+
+#: the last metric's square roots: compress fits many candidates of a layer in a row
+_ROOTS: dict[str, Any] = {}
 
 
 def output_core(net: Network) -> str:

@@ -1,17 +1,27 @@
-"""Which activation follows each ``nn.Linear`` and ``nn.ConvNd`` of a model: read from the order
-of an ``nn.Sequential`` and, where ``torch.fx`` can trace it, from what ``forward`` does, so
-that ``tensorize`` initializes each new layer for the nonlinearity after it."""
+"""Which activation follows each dense layer of a model: read from the order of an
+``nn.Sequential`` and, where ``torch.fx`` can trace it, from what ``forward`` does (the whole
+model, or else each submodule it can trace: a Hugging Face block's MLP), so that
+``tensorize`` initializes each new layer for the nonlinearity after it. Hugging Face's
+activation modules (``GELUActivation``, ``NewGELUActivation``, ``QuickGELUActivation``, ...)
+are read by their class names, without importing ``transformers``."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-_LAYERS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
+from .dense_layers import is_dense
 _PASS_THROUGH = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.Identity,
                  nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
 _MODULE_ACTIVATIONS = {nn.ReLU: "relu", nn.ReLU6: "relu", nn.Tanh: "tanh", nn.GELU: "gelu",
                        nn.SiLU: "silu", nn.Sigmoid: "sigmoid"}
+#: transformers.activations' modules, by class name: the GELU approximations (tanh, sigmoid,
+#: clipped) have GELU's gain to 3 digits for unit-variance inputs
+_HF_ACTIVATIONS = {"GELUActivation": "gelu", "NewGELUActivation": "gelu",
+                   "FastGELUActivation": "gelu", "QuickGELUActivation": "gelu",
+                   "AccurateGELUActivation": "gelu", "ClippedGELUActivation": "gelu",
+                   "GELUTanh": "gelu", "PytorchGELUTanh": "gelu", "SiLUActivation": "silu",
+                   "LinearActivation": "linear"}
 _FUNCTION_ACTIVATIONS = {torch.relu: "relu", torch.nn.functional.relu: "relu",
                          torch.tanh: "tanh", torch.nn.functional.tanh: "tanh",
                          torch.nn.functional.gelu: "gelu", torch.nn.functional.silu: "silu",
@@ -33,14 +43,9 @@ def following_activations(model: nn.Module) -> dict[str, tuple[str, str]]:
                 if act:
                     found[f"{seq_name}.{child}" if seq_name else child] = \
                         (act, "read from the model")
-    try:  # ...then what forward() does, where torch.fx can trace it
-        graph = torch.fx.symbolic_trace(model).graph
-    except Exception:  # noqa: BLE001 - untraceable models keep the Sequential reading
-        return found
     modules = dict(model.named_modules())
-    for node in graph.nodes:
-        if node.op != "call_module" or not isinstance(modules.get(node.target),
-                                                      _LAYERS):
+    for node in _traced(model):  # ...then what forward() does
+        if node.op != "call_module" or not is_dense(modules.get(node.target)):
             continue
         user = node
         for _ in range(4):
@@ -57,7 +62,33 @@ def following_activations(model: nn.Module) -> dict[str, tuple[str, str]]:
     return found
 
 
+class _Tracer(torch.fx.Tracer):
+    """``torch.fx``'s tracer, with the dense layers and activation modules kept as calls."""
+
+    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+        return is_dense(m) or _module_activation(m) is not None or \
+            super().is_leaf_module(m, qualname)
+
+
+def _traced(model: nn.Module, prefix: str = "") -> list[torch.fx.Node]:
+    """The call nodes of ``model``'s traced ``forward`` (module targets as qualified names in
+    the whole model); where it does not trace, those of each child that does."""
+    if is_dense(model) or not any(True for _ in model.children()):
+        return []
+    try:
+        graph = _Tracer().trace(model)
+    except Exception:  # noqa: BLE001 - what does not trace is read from its children
+        return [node for name, child in model.named_children()
+                for node in _traced(child, f"{prefix}{name}.")]
+    for node in graph.nodes:
+        if node.op == "call_module":
+            node.target = prefix + node.target
+    return list(graph.nodes)
+
+
 def _module_activation(module: nn.Module) -> str | None:
+    if type(module).__module__.startswith("transformers."):
+        return _HF_ACTIVATIONS.get(type(module).__name__)
     if isinstance(module, nn.LeakyReLU):
         return f"leaky_relu({module.negative_slope})"
     return next((a for t, a in _MODULE_ACTIVATIONS.items() if isinstance(module, t)), None)

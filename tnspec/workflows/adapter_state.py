@@ -20,8 +20,9 @@ from ..errors import SpecError
 from ..shapes import geometry
 from ..nn.api import _with_options, compile
 from .adapted import Adapted
-from .adapters import (_CONVS, TensorizedConv, TensorizedLinear, _adapted,
-                       _geometry_differs, _padding, set_adapter)
+from .adapters import (TensorizedConv, TensorizedLinear, _adapted, _geometry_differs, _padding,
+                       set_adapter)
+from .dense_layers import is_dense, is_linear, kind_names, stored, weight_of
 from .merge import parameter_holders, set_submodule
 
 FORMAT = "tnspec-adapters/1"  # the tag of adapter_state_dict's layout
@@ -73,10 +74,10 @@ def merge_adapters(model: nn.Module, name: str | Sequence[str] | None = None, *,
                 if name is None else [n for n in wanted if n in module.adapters]
             base = module.base
             if names:
-                weight = base.weight.detach().double()
+                weight = weight_of(base).detach().double()
                 for n in names:
                     weight = weight + module.delta_weight(n).to(weight.device)
-                _write_weight(base, weight.to(base.weight.dtype), path, holders)
+                _write_weight(base, stored(base, weight).to(base.weight.dtype), path, holders)
             merged[id(module)] = base
         if not path:
             return merged[id(module)]
@@ -149,9 +150,9 @@ def load_adapters(model: nn.Module, state: Mapping[str, Any], *,
                                 "pass strict=False") from None
             continue
         base = module.base if isinstance(module, Adapted) else module
-        if not isinstance(base, (nn.Linear, *_CONVS)):
-            raise SpecError(f"layer {path!r} is a {type(base).__name__}, not a linear or "
-                            "conv layer")
+        if not is_dense(base):
+            raise SpecError(f"layer {path!r} is a {type(base).__name__}, not an "
+                            f"{kind_names()}")
         adapters = [(key, _rebuilt(base, path, key, saved), float(saved["scaling"]),
                      None if saved["pad"] is None else
                      (tuple(saved["pad"][0]), saved["pad"][1]), saved["zeroed"])
@@ -186,7 +187,7 @@ def _rebuilt(base: nn.Module, path: str, key: str, saved: Mapping[str, Any]) -> 
         raise SpecError(f"adapter {key!r} of layer {path!r} was trained on a layer with "
                         f"{trained}; this layer has {here}",
                         hint="load it onto a copy of the model it was trained on")
-    cls = TensorizedLinear if isinstance(base, nn.Linear) else TensorizedConv
+    cls = TensorizedLinear if is_linear(base) else TensorizedConv
     layer = cls(net, dtype=base.weight.dtype, device=base.weight.device)
     cores = dict(saved["cores"])
     for n, p in layer.named_parameters():

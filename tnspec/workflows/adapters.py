@@ -33,9 +33,10 @@ from ..nn import formats
 from ..nn.api import _with_options, compile
 from ..nn.module import Layer
 from .adapted import Adapted, inside_adapted
-from .merge import set_submodule
-from .tensorize import (_CONVS, Selector, TensorizedConv, TensorizedLinear, _check_forward,
-                        _read_directly, _selected, first_skipped)
+from .dense_layers import check_forward, features, is_dense, is_linear, kind_names, weight_of
+from .merge import parameter_holders, set_submodule
+from .tensorize import (Selector, TensorizedConv, TensorizedLinear, _read_directly, _selected,
+                        first_skipped)
 
 Fmt = str | formats.Format | Network
 
@@ -136,12 +137,13 @@ def adapt(model: nn.Module, fmt: Fmt = "low_rank", *, rank: int | float | None =
         formats.check_rank(rank)
     adapted, skipped, wrapped = [], [], {}
     left_alone = _read_directly(model)
+    holders = parameter_holders(model)
     inside = inside_adapted(model)  # an adapter's own layers, a base: not adapted again
     root = None
     for path, module in list(model.named_modules(remove_duplicate=False)):
         if isinstance(module, Adapted):
             module, owner = module.base, module
-        elif isinstance(module, (nn.Linear, *_CONVS)) and not isinstance(module, Layer) and \
+        elif is_dense(module) and not isinstance(module, Layer) and \
                 id(module) not in inside:
             owner = None
         else:
@@ -156,12 +158,13 @@ def adapt(model: nn.Module, fmt: Fmt = "low_rank", *, rank: int | float | None =
         try:
             if path in left_alone:
                 raise SpecError(left_alone[path])
+            _check_untied(module, holders)
             if isinstance(module, nn.modules.linear.NonDynamicallyQuantizableLinear):
                 raise SpecError("nn.MultiheadAttention reads this layer's weight directly")
             if owner is not None and name in owner.adapters:
                 raise SpecError(f"it has an adapter named {name!r} already",
                                 hint="give another name=, or merge_adapters first")
-            _check_forward(module)
+            check_forward(module)
             layer, scaling, pad, zeroed, note = adapter_layer(module, fmt, rank, scale, zero,
                                                               sizes, options)
         except SpecError as exc:
@@ -186,7 +189,7 @@ def adapt(model: nn.Module, fmt: Fmt = "low_rank", *, rank: int | float | None =
                       "layer it adapts (see the report)", stacklevel=2)
     if not adapted:  # nothing was changed: say why rather than report "100% train"
         why = first_skipped(skipped) if skipped else \
-            "no nn.Linear or nn.Conv1d/2d/3d layer is selected"
+            f"no {kind_names()} layer is selected"
         raise SpecError(f"adapt changed nothing: {why}",
                         hint="check the format, rank= and zero=, or include= and exclude=")
     result = root if root is not None else model
@@ -198,6 +201,18 @@ def adapt(model: nn.Module, fmt: Fmt = "low_rank", *, rank: int | float | None =
                                else "spec", tuple(adapted), tuple(skipped),
                                sum(p.numel() for p in params if p.requires_grad),
                                sum(p.numel() for p in params))
+
+
+def _check_untied(module: nn.Module, holders: dict[int, list[tuple[str, nn.Module]]]) -> None:
+    """SpecError where another module holds ``module``'s weight or bias (a language model's
+    head tied to its token embedding): merging an adapter into it would rewrite the other
+    module too, or untie them."""
+    for p in module.parameters(recurse=False):
+        others = [n for n, m in holders.get(id(p), []) if m is not module]
+        if others:
+            raise SpecError(f"its weight is tied to {others[0]!r}'s (shared weights): left "
+                            "alone so that merge_adapters keeps the tie",
+                            hint="exclude= it, or untie the weights before adapt")
 
 
 def _adapted(model: nn.Module) -> list[tuple[str, Adapted]]:
@@ -244,7 +259,7 @@ def adapter_layer(base: nn.Module, fmt: Fmt, rank: int | float | None, scale: fl
                             hint="write the spec without padding: it then runs on the input "
                             "padded as the layer pads it")
         pad = None
-    weight = base.weight.detach()
+    weight = weight_of(base).detach()
     out = weight.shape[0]
     note = ""
     variance = math.nan if weight.is_meta else float(weight.double().pow(2).sum()) / out * scale
@@ -257,7 +272,7 @@ def adapter_layer(base: nn.Module, fmt: Fmt, rank: int | float | None, scale: fl
     # over is carried by the output's multiplier below
     activation = min(max(1.0 / variance, SCALE_RANGE[0]), SCALE_RANGE[1])
     net = _with_options(net, init="graph-in", activation=activation, bias=False)
-    cls = TensorizedLinear if isinstance(base, nn.Linear) else TensorizedConv
+    cls = TensorizedLinear if is_linear(base) else TensorizedConv
     layer = cls(net, dtype=weight.dtype, device=weight.device)
     zeroed = decompose.output_core(net) if zero is None else zero
     stds = {c.core: c.std(net.sizes) for c in core_inits(net)}
@@ -273,7 +288,7 @@ def _padding(base: nn.Module) -> tuple[Any, tuple[tuple[int, ...], str] | None]:
     """``(padding, pad)``: the zero padding for an adapter run on the input as it comes (the
     base's where it pads zeros equally on both sides of every axis, else 0) and ``F.pad``'s
     arguments for one run on the input padded as the base pads it (None: no padding)."""
-    if isinstance(base, nn.Linear) or not any(base._reversed_padding_repeated_twice):
+    if is_linear(base) or not any(base._reversed_padding_repeated_twice):
         return 0, None
     pads = tuple(base._reversed_padding_repeated_twice)
     pad = (pads, "constant" if base.padding_mode == "zeros" else base.padding_mode)
@@ -283,9 +298,8 @@ def _padding(base: nn.Module) -> tuple[Any, tuple[tuple[int, ...], str] | None]:
 
 def _built(base: nn.Module, fmt: str, rank: int | float, padding: Any,
            options: Mapping[str, Any]) -> formats.Format:
-    if isinstance(base, nn.Linear):
-        return formats.build(fmt, base.in_features, base.out_features, (), rank=rank,
-                             **options)
+    if is_linear(base):
+        return formats.build(fmt, *features(base), (), rank=rank, **options)
     return formats.build(fmt, base.in_channels, base.out_channels, tuple(base.kernel_size),
                          rank=rank, stride=tuple(base.stride), padding=padding,
                          dilation=tuple(base.dilation), groups=base.groups, **options)
@@ -320,9 +334,7 @@ def _network(base: nn.Module, fmt: Fmt, sizes: Mapping[str, int]) -> Network:
 
 
 def _channels(base: nn.Module, side: str) -> int:
-    if isinstance(base, nn.Linear):
-        return base.in_features if side == "in" else base.out_features
-    return base.in_channels if side == "in" else base.out_channels
+    return features(base)[0 if side == "in" else 1]
 
 
 def _geometry_differs(base: nn.Module, net: Network) -> str:
@@ -332,8 +344,10 @@ def _geometry_differs(base: nn.Module, net: Network) -> str:
     if geo is None:
         return "it is neither conv-like nor linear-like"
     attrs = nn_attributes(geo, net.sizes.__getitem__)
+    linear = dict(zip(("in_features", "out_features"), features(base))) if is_linear(base) \
+        else {}
     for key, value in attrs.items():
-        want = getattr(base, key)
+        want = linear[key] if key in linear else getattr(base, key, None)
         if key != "padding" and value != (tuple(want) if isinstance(want, (tuple, list))
                                           else want):
             return f"{key} {value} where the layer has {want}"

@@ -36,10 +36,11 @@ from ..nn.module import Layer
 from . import observe
 from .adapted import adapted_parts
 from .merge import set_submodule
-from .tensorize import (_CONVS, Selector, _check_forward, _keep_state, _read_directly,
-                        _replacement, _selected, _tied, first_skipped)
+from .dense_layers import check_forward, is_dense, weight_of
+from .tensorize import (Selector, _keep_state, _read_directly, _replacement, _selected, _tied,
+                        first_skipped)
 
-FORMATS = ("tucker2", "tt", "tr", "cp")
+FORMATS = ("low_rank", "cp", "tucker2", "tt", "tr")  # the cheaper fits first
 SHARES = (0.05, 0.1, 0.2, 0.35, 0.5, 0.75)
 FIT = {"starts": 1, "hops": 0, "max_iter": 30, "tol": 1e-4, "max_seconds": 10.0,
        "sweeps": 5}
@@ -79,6 +80,7 @@ class CompressReport:
     data: bool
     seconds: float
     extra: Mapping[str, Any] = field(default_factory=dict)
+    unfitted: int = 0  # candidates max_seconds left no time for
 
     @property
     def params_before(self) -> int:
@@ -114,6 +116,8 @@ class CompressReport:
                          f"{c.chosen.error:>13.4f} {c.sensitivity:>11.3f} {ratio:>6}")
         for name, why in self.skipped:
             lines.append(f"  skipped {name}: {why}")
+        if self.unfitted:
+            lines.append(f"  {self.unfitted} candidate(s) not fitted: max_seconds was spent")
         return "\n".join(lines)
 
     def plot(self, path: str | None = None) -> Any:
@@ -144,6 +148,7 @@ def compress(model: nn.Module, budget: float = 0.25, formats: Sequence[str] = FO
              data: torch.Tensor | Iterable[Any] | None = None, include: Selector = None,
              exclude: Selector = None, latency: bool = False, shares: Sequence[float] = SHARES,
              fit: Mapping[str, Any] | None = None, max_batches: int = 8,
+             run: observe.Runner | None = None, max_seconds: float | None = None,
              timer: Timer | None = None) -> tuple[nn.Module, CompressReport]:
     """Replace, in place, the selected ``nn.Linear`` / ``nn.Conv1d/2d/3d`` layers of ``model``
     (``include``/``exclude`` as :func:`tnspec.tensorize`) by tnspec layers of one of
@@ -151,15 +156,19 @@ def compress(model: nn.Module, budget: float = 0.25, formats: Sequence[str] = FO
     replaced layers hold at most ``budget`` times their dense parameters (exactly, biases
     included) and the predicted loss is least (the module docstring gives the rule).
 
-    ``data``: a tensor, or an iterable of batches (tensors, or tuples whose first item is the
-    input), run through the model (eval mode, no grad, at most ``max_batches``) to record what
-    reaches each layer; each candidate is then fitted to the layer's outputs, and each layer's
-    sensitivity measured. ``fit``: options of :meth:`Layer.fit_` (by default one start, no
+    ``data``: what the model is fed: a tensor, a dict, or an iterable of batches, each a tensor
+    (``model(x)``), a tuple (``model(*batch)``) or a dict (``model(**batch)``, as a Hugging Face
+    tokenizer returns it); ``run(model, batch)`` feeds any other kind (an ``(inputs, labels)``
+    pair: ``run=lambda model, batch: model(batch[0])``). At most ``max_batches`` are run
+    (eval mode, no grad) to record what reaches each layer; each candidate is then fitted to
+    the layer's outputs, and each layer's sensitivity measured. ``fit``: options of :meth:`Layer.fit_` (by default one start, no
     hops, at most 30 sweeps stopping at a gain under 0.01%, 10 s a fit; with ``data``, 5 ALS
     sweeps before the refit, ``sweeps`` of :func:`tnspec.fit.decompose.fit`). ``latency=True``
     (needs ``data``) times every candidate and the dense layer, forward and backward, on the
     input shape the layer saw, and drops candidates slower than dense; ``timer(module,
-    shape) -> seconds`` replaces that timing.
+    shape) -> seconds`` replaces that timing. ``max_seconds`` bounds the whole call: the
+    formats are fitted one after the other over all layers, cheapest first, and the candidates
+    left when the time is spent are not fitted (the report says how many).
 
     Returns ``(model, report)``; ``print(report)`` shows a row per layer, ``report.plot()``
     the candidates. Nothing in the model changes until every fit is done: an error or Ctrl-C
@@ -186,13 +195,13 @@ def compress(model: nn.Module, budget: float = 0.25, formats: Sequence[str] = FO
     left_alone = {**_read_directly(model), **_tied(model), **adapted_parts(model)}
     layers, skipped = [], []
     for name, module in model.named_modules():
-        if not isinstance(module, (nn.Linear, *_CONVS)) or isinstance(module, Layer) or \
+        if not is_dense(module) or isinstance(module, Layer) or \
                 not _selected(name, module, include, exclude):
             continue
         try:
             if name in left_alone:
                 raise SpecError(left_alone[name])
-            _check_forward(module)
+            check_forward(module)
         except SpecError as exc:
             skipped.append((name, exc.message))
             continue
@@ -201,31 +210,60 @@ def compress(model: nn.Module, budget: float = 0.25, formats: Sequence[str] = FO
         why = f": {first_skipped(skipped)}" if skipped else ""
         raise SpecError(f"no layer to compress{why}",
                         hint="check include= and exclude=" if not skipped else None)
+    if max_seconds is not None and not (isinstance(max_seconds, (int, float)) and
+                                        not isinstance(max_seconds, bool) and max_seconds > 0):
+        raise SpecError(f"max_seconds={max_seconds!r} must be a positive number of seconds",
+                        hint="or None for no limit")
+    if run is not None and data is None:
+        raise SpecError("run= needs data= (the batches it feeds the model)")
     if data is not None:  # read once: a generator would be empty the second time
-        data = observe.batches(data, max_batches)
+        data = observe.batches(data, max_batches, run)
         if not data:
             raise SpecError("data= holds no batch", hint="give a tensor, or an iterable of "
                             "batches with at least one")
     progress = Progress("compress")
-    seen = observe.inputs(model, layers, data, max_batches) if data is not None else {}
-    sensitivity = observe.sensitivities(model, layers, data) if data is not None else {}
-    choices, chosen_layers = [], {}
+    seen = observe.inputs(model, layers, data, max_batches, run) if data is not None else {}
+    sensitivity = observe.sensitivities(model, layers, data, run) if data is not None else {}
+    progress.line(f"{len(layers)} layer(s) to fit"
+                  + (f", inputs recorded ({time.monotonic() - started:.0f} s)" if data else ""))
+    deadline = math.inf if max_seconds is None else started + max_seconds
+    choices, unfitted = [], 0
     for name, module in layers:
         dense_params = sum(p.numel() for p in module.parameters())
-        shape, metric = seen.get(name, (None, None))
+        shape = seen.get(name, (None, None))[0]
         # latency: timed on the input shape the layer saw; one the data never reached (an
         # auxiliary head) has none, and is left untimed
         time_of = (timer or _timed) if latency and shape is not None else None
         dense_seconds = time_of(module, shape) if time_of else None
-        options_here: list[tuple[Candidate, Layer | None]] = [
-            (Candidate("dense", 1.0, dense_params, 0.0, dense_seconds), None)]
-        for fmt in formats:
+        choices.append((name, dense_params,
+                        [(Candidate("dense", 1.0, dense_params, 0.0, dense_seconds), None)],
+                        sensitivity.get(name, 1.0), dense_seconds))
+    # format by format over all layers: under a time budget every layer has the first
+    # formats' candidates before any has the last's
+    networks: dict[str, set] = {name: set() for name, _ in layers}
+    for fmt in formats:
+        for (name, module), (_, dense_params, options_here, _, dense_seconds) in \
+                zip(layers, choices):
+            shape, metric = seen.get(name, (None, None))
+            time_of = (timer or _timed) if latency and shape is not None else None
+            count = 0
             for share in shares:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    unfitted += 1
+                    continue
                 try:
                     new = _replacement(module, fmt, share, "graph-in", "linear", {})
                 except SpecError:
                     continue  # no rank within that share, or a layer this format cannot be
-                error = new._fit(module.weight.detach(), metric, **options)
+                net = new.network  # two formats can be one network (CP and low-rank linears)
+                same = (tuple(c.indices for c in net.cores), tuple(sorted(net.sizes.items())))
+                if same in networks[name]:
+                    continue
+                networks[name].add(same)
+                error = new._fit(weight_of(module).detach(), metric,
+                                 **{**options, "max_seconds": min(options["max_seconds"] or
+                                                                  math.inf, left)})
                 if module.bias is not None:
                     with torch.no_grad():
                         new.bias.copy_(module.bias.reshape(new.bias.shape))
@@ -237,13 +275,12 @@ def compress(model: nn.Module, budget: float = 0.25, formats: Sequence[str] = FO
                 params = sum(p.numel() for p in new.parameters())
                 if params < dense_params:
                     options_here.append((Candidate(fmt, share, params, error, seconds), new))
-        choices.append((name, dense_params, options_here, sensitivity.get(name, 1.0),
-                        dense_seconds))
-        progress.line(f"{name}: {len(options_here) - 1} candidates fitted "
-                      f"({time.monotonic() - progress.start:.0f} s so far)")
+                    count += 1
+            progress.line(f"{name}: {count} {fmt} candidate(s) fitted "
+                          f"({time.monotonic() - started:.0f} s so far)")
     picks = _allocate([[(c.params, (s * c.error) ** 2) for c, _ in opts]
                        for _, _, opts, s, _ in choices], budget)
-    report_rows = []
+    report_rows, chosen_layers = [], {}
     for (name, dense_params, opts, s, dense_seconds), k in zip(choices, picks):
         cand, new = opts[k]
         if new is not None:
@@ -253,7 +290,7 @@ def compress(model: nn.Module, budget: float = 0.25, formats: Sequence[str] = FO
     _apply(model, chosen_layers)
     progress.close()
     return model, CompressReport(budget, tuple(report_rows), tuple(skipped), data is not None,
-                                 time.monotonic() - started)
+                                 time.monotonic() - started, unfitted=unfitted)
 
 
 def _allocate(items: list[list[tuple[int, float]]], budget: float, units: int = 2000

@@ -5,7 +5,7 @@ train/eval modes are restored after, whatever happens."""
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 import torch.utils._pytree
@@ -13,36 +13,63 @@ from torch import nn
 
 from ..errors import SpecError
 from ..fit import moments
+from .dense_layers import is_linear
+
+#: runs the model on one batch: ``run(model, batch)``
+Runner = Callable[[nn.Module, Any], Any]
 
 
-def batches(data: Any, max_batches: int) -> list[torch.Tensor]:
-    if isinstance(data, torch.Tensor):
+def batches(data: Any, max_batches: int, run: Runner | None = None) -> list[Any]:
+    """At most ``max_batches`` batches of ``data`` (a tensor is one batch), each checked to be
+    something :func:`call` can feed the model."""
+    if isinstance(data, (torch.Tensor, Mapping)):
         return [data]
     out = []
     for batch in data:
-        x = batch[0] if isinstance(batch, (tuple, list)) else batch
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"compress(data=...) batches must be tensors or tuples starting "
-                            f"with one, not {type(x).__name__}")
-        out.append(x)
+        if run is None and not isinstance(batch, (torch.Tensor, tuple, list, Mapping)):
+            raise SpecError(f"a batch of data= is a {type(batch).__name__}",
+                            hint="batches are tensors (model(x)), tuples (model(*batch)) or "
+                            "dicts (model(**batch)); for anything else pass run=lambda model, "
+                            "batch: ...")
+        out.append(batch)
         if len(out) >= max_batches:
             break
     return out
 
 
-def inputs(model: nn.Module, layers: list[tuple[str, nn.Module]], data: Any,
-           max_batches: int) -> dict[str, tuple[tuple[int, ...], torch.Tensor]]:
+def call(model: nn.Module, batch: Any, run: Runner | None = None) -> Any:
+    """The model on one batch, as its users feed it: ``run(model, batch)`` where given, else
+    ``model(x)`` for a tensor, ``model(*batch)`` for a tuple, ``model(**batch)`` for a dict."""
+    if run is not None:
+        return run(model, batch)
+    if isinstance(batch, Mapping):
+        return model(**batch)
+    if isinstance(batch, (tuple, list)):
+        try:
+            return model(*batch)
+        except TypeError as exc:  # most likely an (inputs, labels) pair
+            raise SpecError(f"the model does not take a batch of data= as model(*batch): "
+                            f"{exc}", hint="for (inputs, labels) batches pass run=lambda model, "
+                            "batch: model(batch[0])") from None
+    return model(batch)
+
+
+def inputs(model: nn.Module, layers: list[tuple[str, nn.Module]], data: list[Any],
+           max_batches: int, run: Runner | None = None
+           ) -> dict[str, tuple[tuple[int, ...], torch.Tensor]]:
     """``{layer: (an input shape it saw, the metric factor of its inputs)}``."""
     rows: dict[str, list[torch.Tensor]] = {name: [] for name, _ in layers}
     shapes: dict[str, tuple[int, ...]] = {}
 
     def hook(name: str, module: nn.Module) -> Callable:
         def record(_: nn.Module, args: tuple) -> None:
+            if not args or not isinstance(args[0], torch.Tensor):
+                return  # called with keywords: nothing to record
             x = args[0].detach()
             shapes.setdefault(name, tuple(x.shape))
             keep = max(moments.MAX_ROWS // max_batches, 1)
             seed = len(rows[name])  # each batch its own subset
-            if isinstance(module, nn.Linear):
+            if is_linear(module):
                 r = x.reshape(-1, x.shape[-1])
                 if r.shape[0] > keep:
                     r = r[moments.subset(r.shape[0], keep, seed).to(r.device)]
@@ -52,7 +79,7 @@ def inputs(model: nn.Module, layers: list[tuple[str, nn.Module]], data: Any,
                                     module.dilation, keep, seed)
             rows[name].append(r.double())
         return record
-    _run(model, layers, data, max_batches, hook)
+    _run(model, layers, data, hook, run)
     return {name: (shapes[name], moments.factor(torch.cat(rows[name]),
                                                 getattr(module, "groups", 1)))
             for name, module in layers if rows[name]}
@@ -65,15 +92,15 @@ def _padding(module: nn.Module) -> tuple[int, ...]:
     return tuple(module.padding)
 
 
-def _run(model: nn.Module, layers: list[tuple[str, nn.Module]], data: Any, max_batches: int,
-         make_hook: Callable) -> None:
+def _run(model: nn.Module, layers: list[tuple[str, nn.Module]], data: list[Any],
+         make_hook: Callable, run: Runner | None) -> None:
     handles = [m.register_forward_pre_hook(make_hook(n, m)) for n, m in layers]
     training = {m: m.training for m in model.modules()}
     try:
         model.eval()
         with torch.no_grad():
-            for x in batches(data, max_batches):
-                model(x)
+            for batch in data:
+                call(model, batch, run)
     finally:
         for h in handles:
             h.remove()
@@ -81,17 +108,17 @@ def _run(model: nn.Module, layers: list[tuple[str, nn.Module]], data: Any, max_b
             m.train(flag)
 
 
-def sensitivities(model: nn.Module, layers: list[tuple[str, nn.Module]], data: Any,
-                  noise: float = 0.01) -> dict[str, float]:
+def sensitivities(model: nn.Module, layers: list[tuple[str, nn.Module]], data: list[Any],
+                  run: Runner | None = None, noise: float = 0.01) -> dict[str, float]:
     """Per layer: ``||f(x; layer output + noise) - f(x)|| / (noise ||f(x)||)`` for Gaussian
     noise of ``noise`` times the output's rms (own generator), on the first batch."""
-    x = batches(data, 1)[0]
+    x = data[0]
     training = {m: m.training for m in model.modules()}
     out = {}
     try:
         model.eval()
         with torch.no_grad():
-            reference = _flat(model(x))
+            reference = _flat(call(model, x, run))
             for name, module in layers:
                 gen = torch.Generator().manual_seed(0)
 
@@ -100,7 +127,7 @@ def sensitivities(model: nn.Module, layers: list[tuple[str, nn.Module]], data: A
                     return y + noise * rms * torch.randn(y.shape, generator=gen).to(y)
                 handle = module.register_forward_hook(perturb)
                 try:
-                    moved = _flat(model(x))
+                    moved = _flat(call(model, x, run))
                 finally:
                     handle.remove()
                 out[name] = float((moved - reference).norm() /

@@ -1,6 +1,7 @@
 """tnspec adapters inside Hugging Face PEFT (optional: needs ``pip install peft``).
 
-``register_peft(config, "tt")`` maps ``nn.Linear`` and ``nn.Conv1d/2d/3d`` to a custom LoRA
+``register_peft(config, "tt")`` maps ``nn.Linear``, ``nn.Conv1d/2d/3d`` and Hugging Face's
+``Conv1D`` (GPT-2's projections) to a custom LoRA
 layer type (PEFT's experimental ``LoraConfig._register_custom_module``) that runs a tnspec
 adapter of that format at rank ``config.r``, built and initialized as :func:`tnspec.adapt`
 builds it. ``get_peft_model``, ``save_pretrained``, ``PeftModel.from_pretrained(model, path,
@@ -22,18 +23,20 @@ from torch import nn
 
 from ..errors import SpecError
 from .adapted import delta_weight
-from .adapters import _CONVS, adapter_layer
+from .adapters import adapter_layer
+from .dense_layers import CONVS, linear_kinds, stored
 
 
 def register_peft(config: Any, fmt: str = "tt", *, scale: float = 1.0,
                   **options: Any) -> Any:
     """Register tnspec adapters of format ``fmt`` (a name of :data:`tnspec.formats.NAMES`,
     with ``options`` for :func:`tnspec.formats.build`) in the PEFT ``LoraConfig`` ``config``
-    for ``nn.Linear`` and ``nn.Conv1d/2d/3d``; ``config.r`` (or its ``rank_pattern``) is the
+    for ``nn.Linear``, ``nn.Conv1d/2d/3d`` and ``Conv1D``; ``config.r`` (or its ``rank_pattern``) is the
     rank, ``scale`` the adapter's variance as a share of the base layer's. Returns
     ``config``."""
     cls = _layer_class(fmt, scale, dict(options))
-    config._register_custom_module({kind: cls for kind in (nn.Linear, *_CONVS)})
+    # after _layer_class, which imports peft and with it transformers' Conv1D
+    config._register_custom_module({kind: cls for kind in (*linear_kinds(), *CONVS)})
     config.to_dict = types.MethodType(_saved(type(config).to_dict, fmt, scale, options), config)
     return config
 
@@ -106,8 +109,10 @@ def _layer_class(fmt: str, scale: float, options: dict[str, Any]) -> type:
             self.set_adapter(self.active_adapters)
 
         def get_delta_weight(self, adapter: str) -> torch.Tensor:
-            """The adapter as a dense weight of the base's shape, in float64."""
-            return delta_weight(self.lora_tn[adapter], self.scaling[adapter])
+            """The adapter as a dense weight laid out as the base's (transposed for a
+            ``Conv1D``), in float64."""
+            return stored(self.get_base_layer(),
+                          delta_weight(self.lora_tn[adapter], self.scaling[adapter]))
 
         def _add(self, adapter: str, sign: int) -> None:
             weight = self.get_base_layer().weight

@@ -1,5 +1,5 @@
-"""``tnspec.tensorize``: replace the ``nn.Conv1d/2d/3d`` and ``nn.Linear`` layers of an existing
-model by tensorial layers of a named format, either freshly initialized for the activation that
+"""``tnspec.tensorize``: replace the ``nn.Conv1d/2d/3d`` and linear layers (``nn.Linear``,
+Hugging Face's ``Conv1D``) of an existing model by tensorial layers of a named format, either freshly initialized for the activation that
 follows them (Graph-in by default) or fitted to the trained weights they replace
 (``weights="fit"``). ``tnspec.merge`` (``tnspec.workflows.merge``) is the way back.
 """
@@ -24,14 +24,15 @@ from ..nn.layout import LayoutChoice
 from ..nn.module import Layer
 from .activations import following_activations
 from .adapted import adapted_parts
+from .dense_layers import check_forward, features, is_dense, is_linear, weight_of
 from .merge import parameter_holders, set_submodule
 
 Selector = str | Sequence[str] | Callable[[str, nn.Module], bool] | None
-_CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 
 
 class TensorizedLinear(Layer):
-    """A tnspec layer standing in for ``nn.Linear``: any number of leading dimensions."""
+    """A tnspec layer standing in for a linear layer (``nn.Linear``, Hugging Face's ``Conv1D``):
+    any number of leading dimensions."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = super().forward(x.reshape(-1, x.shape[-1]))
@@ -105,7 +106,8 @@ def tensorize(model: nn.Module, format: str = "tucker2", *, rank: int | float = 
               memory_format: str | torch.memory_format | None = None,
               example: torch.Tensor | Sequence[int] | None = None,
               **options: Any) -> tuple[nn.Module, Report]:
-    """Replace, in place, every ``nn.Conv1d/2d/3d`` and ``nn.Linear`` of ``model`` selected by
+    """Replace, in place, every ``nn.Conv1d/2d/3d`` and linear layer (``nn.Linear``, Hugging
+    Face's ``Conv1D``) of ``model`` selected by
     ``include``/``exclude`` (glob patterns on qualified names such as ``"features.*"``, or a
     function of ``(name, module)``) by a tnspec layer of ``format`` (a name of
     :data:`tnspec.formats.NAMES`) with the same stride, padding, dilation, groups and bias.
@@ -186,7 +188,7 @@ def tensorize(model: nn.Module, format: str = "tucker2", *, rank: int | float = 
                                         sum(p.numel() for p in new.parameters()), "linear",
                                         "an embedding", fit_error, error))
             continue
-        if not isinstance(module, (nn.Linear, *_CONVS)) or isinstance(module, Layer):
+        if not is_dense(module) or isinstance(module, Layer):
             if not isinstance(module, (Layer, nn.Embedding, nn.EmbeddingBag)) and \
                     next(module.parameters(recurse=False), None) is not None:
                 other[type(module).__name__] = other.get(type(module).__name__, 0) + 1
@@ -198,7 +200,7 @@ def tensorize(model: nn.Module, format: str = "tucker2", *, rank: int | float = 
         try:
             if name in left_alone:
                 raise SpecError(left_alone[name])
-            _check_forward(module)
+            check_forward(module)
             fit_error = None
             if error is not None:
                 new, fit_error = _smallest(module, format, init, act, options, error,
@@ -213,7 +215,7 @@ def tensorize(model: nn.Module, format: str = "tucker2", *, rank: int | float = 
             progress.line(f"{name}: skipped ({exc.message})")
             continue
         note = ""
-        if weights == "fit" and not module.weight.detach().any():
+        if weights == "fit" and not weight_of(module).detach().any():
             note = (f"the weight is all zero: cores at their Graph-in scale with "
                     f"{decompose.output_core(new.network)} zeroed, so that it still trains")
         _keep_state(module, new)
@@ -261,16 +263,6 @@ def _tied(model: nn.Module) -> dict[str, str]:
     return tied
 
 
-def _check_forward(module: nn.Module) -> None:
-    """SpecError unless ``module`` computes what its base class does: a subclass that
-    overrides ``forward`` (a weight-standardized conv, a LoRA linear) is not its weight."""
-    base = next(b for b in (nn.Linear, *_CONVS) if isinstance(module, b))
-    for method in ("forward", "_conv_forward"):
-        if getattr(type(module), method, None) is not getattr(base, method, None):
-            raise SpecError(f"{type(module).__name__} overrides {method}: a layer of its weight "
-                            f"would not compute what it does")
-
-
 def _read_directly(model: nn.Module) -> dict[str, str]:
     """``{layer name: why}`` for the layers whose weight their parent reads itself:
     ``nn.TransformerEncoderLayer``/``DecoderLayer``'s feed-forward (their eval fast path)."""
@@ -297,9 +289,8 @@ def _replacement(module: nn.Module, format: str, rank: int | float, init: str,
     weight = module.weight
     if isinstance(module, nn.modules.linear.NonDynamicallyQuantizableLinear):
         raise SpecError("nn.MultiheadAttention reads this layer's weight directly")
-    if isinstance(module, nn.Linear):
-        fmt = formats.build(format, module.in_features, module.out_features, (), rank=rank,
-                            **options)
+    if is_linear(module):
+        fmt = formats.build(format, *features(module), (), rank=rank, **options)
         cls: type[Layer] = TensorizedLinear
     else:
         if module.padding_mode != "zeros":
@@ -349,7 +340,7 @@ def _fit_options(fit: Any, weights: str) -> dict[str, Any]:
 
 def _fitted(new: Layer, module: nn.Module, fit: Mapping[str, Any]) -> float:
     """Fit ``new`` to the dense ``module``'s weight, copy its bias; the relative error."""
-    err = new.fit_(module.weight.detach(), **fit)
+    err = new.fit_(weight_of(module).detach(), **fit)
     if module.bias is not None:
         with torch.no_grad():
             new.bias.copy_(module.bias.reshape(new.bias.shape))

@@ -1,0 +1,82 @@
+"""The dense layers the workflows replace, adapt and merge, and their weights in one layout.
+
+``nn.Linear``, ``nn.Conv1d/2d/3d`` and Hugging Face's ``transformers.pytorch_utils.Conv1D``
+(the projections of GPT-2 and its kin: a linear layer that stores its weight as ``(in, out)``,
+the transpose of ``nn.Linear``'s). Every workflow reads a layer's weight through
+:func:`weight_of`, always ``(out, in, *kernel)``, and writes it through :func:`write_weight`, so
+that no workflow has to know which of them it holds. ``transformers`` is never imported here:
+a model can hold a ``Conv1D`` only once its module is loaded, so it is looked up there.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+from torch import nn
+
+from ..errors import SpecError
+
+CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+
+
+def hf_conv1d() -> type | None:
+    """``transformers.pytorch_utils.Conv1D`` where ``transformers`` is loaded, else None."""
+    return getattr(sys.modules.get("transformers.pytorch_utils"), "Conv1D", None)
+
+
+def linear_kinds() -> tuple[type, ...]:
+    """The linear layer types: ``nn.Linear``, and Hugging Face's ``Conv1D`` where loaded."""
+    conv1d = hf_conv1d()
+    return (nn.Linear,) if conv1d is None else (nn.Linear, conv1d)
+
+
+def is_linear(module: nn.Module) -> bool:
+    """Whether ``module`` is a linear layer (``nn.Linear`` or Hugging Face's ``Conv1D``)."""
+    return isinstance(module, linear_kinds())
+
+
+def is_dense(module: nn.Module) -> bool:
+    """Whether ``module`` is a layer the workflows know: linear, or ``nn.Conv1d/2d/3d``."""
+    return isinstance(module, (*linear_kinds(), *CONVS))
+
+
+def is_transposed(module: nn.Module) -> bool:
+    """Whether ``module`` stores its weight ``(in, out)`` (Hugging Face's ``Conv1D``)."""
+    conv1d = hf_conv1d()
+    return conv1d is not None and isinstance(module, conv1d)
+
+
+def features(module: nn.Module) -> tuple[int, int]:
+    """``(in, out)`` of a linear layer; ``(in_channels, out_channels)`` of a conv."""
+    if is_transposed(module):
+        return module.nx, module.nf
+    if isinstance(module, nn.Linear):
+        return module.in_features, module.out_features
+    return module.in_channels, module.out_channels
+
+
+def weight_of(module: nn.Module) -> torch.Tensor:
+    """The layer's weight as ``nn.Linear`` / ``nn.ConvNd`` lay it out, ``(out, in, *kernel)``
+    (a view of a ``Conv1D``'s, not a copy)."""
+    return module.weight.t() if is_transposed(module) else module.weight
+
+
+def stored(module: nn.Module, value: torch.Tensor) -> torch.Tensor:
+    """``value``, given as :func:`weight_of` lays it out, as ``module`` stores its weight."""
+    return value.t().contiguous() if is_transposed(module) else value
+
+
+def check_forward(module: nn.Module) -> None:
+    """SpecError unless ``module`` computes what its base class does: a subclass that
+    overrides ``forward`` (a weight-standardized conv, a LoRA linear) is not its weight."""
+    base = next(b for b in (*linear_kinds(), *CONVS) if isinstance(module, b))
+    for method in ("forward", "_conv_forward"):
+        if getattr(type(module), method, None) is not getattr(base, method, None):
+            raise SpecError(f"{type(module).__name__} overrides {method}: a layer of its weight "
+                            f"would not compute what it does")
+
+
+def kind_names() -> str:
+    """The layer types in words, for messages."""
+    return "nn.Linear, nn.Conv1d/2d/3d or transformers' Conv1D"
