@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import io
+import json
 import math
 import warnings
 
@@ -159,18 +160,17 @@ def test_state_dict_holds_only_adapters_and_reloads_onto_a_fresh_model():
         for p in model.parameters():
             if p.requires_grad:
                 p.normal_()
-    state = tnspec.adapter_state_dict(model)
-    tensors = [t for layer in state["layers"].values() for a in layer["adapters"].values()
-               for t in a["cores"].values()]
-    adapter_params = [p for n, p in model.named_parameters() if ".adapters." in n]
-    assert sum(t.numel() for t in tensors) == sum(p.numel() for p in adapter_params)
+    state, config = tnspec.adapter_state_dict(model), tnspec.adapter_config(model)
+    adapter_params = {n: p for n, p in model.named_parameters() if ".adapters." in n}
+    assert state.keys() == adapter_params.keys()  # flat, named as the model names them
     base_ptrs = {p.data_ptr() for n, p in model.named_parameters() if ".adapters." not in n}
-    assert not base_ptrs & {t.data_ptr() for t in tensors}
+    assert not base_ptrs & {t.data_ptr() for t in state.values()}
     buffer = io.BytesIO()
     torch.save(state, buffer)
     buffer.seek(0)
+    config = json.loads(json.dumps(config))  # JSON-able
     loaded = tnspec.load_adapters(copy.deepcopy(fresh),
-                                  torch.load(buffer, weights_only=True))
+                                  torch.load(buffer, weights_only=True), config)
     x = torch.randn(2, 3, 6, 6)
     # equal up to float32 rounding: see test_peft_runs_tnspec_adapters_through_its_own_api
     torch.testing.assert_close(loaded(x), model(x), rtol=1e-6, atol=1e-7)
@@ -288,14 +288,19 @@ def test_bad_arguments_are_clear_errors():
         with pytest.raises(tnspec.SpecError, match=match):
             tnspec.adapt(model, **kwargs)
         assert unchanged(before, model)
-    with pytest.raises(tnspec.SpecError, match="not an adapter state"):
-        tnspec.load_adapters(conv, {"layers": {}})
+    with pytest.raises(tnspec.SpecError, match="not an adapter config"):
+        tnspec.load_adapters(conv, {}, {"layers": {}})
+    with pytest.raises(tnspec.SpecError, match="needs the adapters' config beside"):
+        tnspec.load_adapters(conv, {})
     model, _ = tnspec.adapt(nn.Sequential(nn.Linear(4, 4)), "cp", rank=2)
-    state = tnspec.adapter_state_dict(model)
+    state, config = tnspec.adapter_state_dict(model), tnspec.adapter_config(model)
     with pytest.raises(tnspec.SpecError, match="no layer '0' to put an adapter on"):
-        tnspec.load_adapters(nn.Sequential(), state)
+        tnspec.load_adapters(nn.Sequential(), state, config)
     with pytest.raises(tnspec.SpecError, match="in_features 4 where the layer has 5"):
-        tnspec.load_adapters(nn.Sequential(nn.Linear(5, 4)), state)
+        tnspec.load_adapters(nn.Sequential(nn.Linear(5, 4)), state, config)
+    with pytest.raises(tnspec.SpecError, match=r"tensors no adapter uses: 'extra'"):
+        tnspec.load_adapters(nn.Sequential(nn.Linear(4, 4)), {**state, "extra": torch.ones(1)},
+                             config)
 
 
 @pytest.mark.parametrize("name", ["train", "eval", "type", "keys"])

@@ -158,7 +158,8 @@ class Workflows(RuleBasedStateMachine):
     def save_and_load(self) -> None:
         """The adapters saved, then loaded onto a copy: they replace the copy's own."""
         state = copy.deepcopy(tnspec.adapter_state_dict(self.model))
-        self.attempt(lambda m: tnspec.load_adapters(copy.deepcopy(m), state), True)
+        config = tnspec.adapter_config(self.model)
+        self.attempt(lambda m: tnspec.load_adapters(copy.deepcopy(m), state, config), True)
 
     @rule()
     def deepcopy(self) -> None:

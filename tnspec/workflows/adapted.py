@@ -1,14 +1,19 @@
-"""The module every workflow knows: :class:`Adapted`, a frozen base layer with named tnspec
-adapters beside it. ``adapt`` builds it, ``adapter_state`` merges, saves and switches it;
+"""The modules every workflow knows: :class:`Adapted`, a frozen base layer with named tnspec
+adapters beside it, and :class:`Saved`, a module trained in full with them (``adapt``'s
+``modules_to_save``). ``adapt`` builds them, ``adapter_state`` merges, saves and switches them;
 ``tensorize``, ``compress`` and ``merge`` leave what is inside one alone
 (:func:`inside_adapted`), since replacing its base or an adapter would break it."""
 
 from __future__ import annotations
 
+import copy
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..errors import SpecError
 from ..fit import decompose
 from ..nn.module import Layer
 
@@ -62,6 +67,45 @@ class Adapted(nn.Module):
         return f"active={self.active!r}" + (", disabled" if self.disabled else "")
 
 
+class Saved(nn.Module):
+    """A module trained in full with the adapters (``adapt(modules_to_save=...)``, as PEFT's):
+    the ``original``, frozen and untouched, and a trainable copy per adapter in ``copies``.
+    It runs the active adapter's copy; the original where that adapter has none, or while
+    adapters are disabled. Attributes it does not have are read from the module it runs."""
+
+    def __init__(self, original: nn.Module) -> None:
+        super().__init__()
+        self.original = original
+        self.copies = nn.ModuleDict()
+        self.active: str | None = None
+        self.disabled = False
+
+    def add(self, name: str) -> nn.Module:
+        """A copy of the original for adapter ``name`` (replacing one of that name)."""
+        self.copies[name] = copy.deepcopy(self.original)
+        return self.copies[name]
+
+    def running(self) -> nn.Module:
+        """The module ``forward`` runs now."""
+        if self.disabled or self.active not in self.copies:
+            return self.original
+        return self.copies[self.active]
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.running()(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name in ("original", "copies", "_modules"):
+                raise
+            return getattr(self.running(), name)
+
+    def extra_repr(self) -> str:
+        return f"active={self.active!r}" + (", disabled" if self.disabled else "")
+
+
 def delta_weight(layer: Layer, scaling: float) -> torch.Tensor:
     """``scaling`` times the adapter ``layer`` as a dense weight, from float64 copies of its
     cores (what merging adds to the base weight)."""
@@ -70,11 +114,11 @@ def delta_weight(layer: Layer, scaling: float) -> torch.Tensor:
 
 
 def inside_adapted(model: nn.Module) -> dict[int, str]:
-    """``{id(module): name of its Adapted}`` for every module inside an :class:`Adapted` of
-    ``model`` (its base, its adapters and their parts)."""
+    """``{id(module): name of its Adapted}`` for every module inside an :class:`Adapted` or a
+    :class:`Saved` of ``model`` (its base, its adapters, its copies, and their parts)."""
     inside: dict[int, str] = {}
     for path, module in model.named_modules():
-        if isinstance(module, Adapted):
+        if isinstance(module, (Adapted, Saved)):
             for _, part in module.named_modules(prefix=path):
                 if part is not module:
                     inside.setdefault(id(part), path or "the model")
@@ -85,6 +129,31 @@ def adapted_parts(model: nn.Module) -> dict[str, str]:
     """``{name: why}`` for every module inside an :class:`Adapted` of ``model``: what
     ``tensorize`` and ``compress`` leave alone."""
     inside = inside_adapted(model)
-    return {name: f"inside the adapted layer {inside[id(m)]!r}: merge_adapters first (or "
+    return {name: f"inside the adapted module {inside[id(m)]!r}: merge_adapters first (or "
             "tensorize and compress before adapt)"
             for name, m in model.named_modules() if id(m) in inside}
+
+
+def adapted_modules(model: nn.Module) -> list[tuple[str, Adapted | Saved]]:
+    """The adapted layers and the modules trained in full, by name."""
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, (Adapted, Saved))]
+
+
+def set_adapter(model: nn.Module, name: str) -> None:
+    """Make adapter ``name`` the active one in every layer that has it (layers without it run
+    their base alone) and the only trainable adapter; other parameters keep their flags. The
+    modules trained in full (:class:`Saved`) run and train their copy for ``name``."""
+    modules = [m for _, m in adapted_modules(model)]
+    if not any(name in parts(m) for m in modules):  # checked before anything changes
+        names = sorted({k for m in modules for k in parts(m)})
+        raise SpecError(f"no layer has an adapter named {name!r}",
+                        hint=f"the adapters are {', '.join(names) or 'none (call adapt)'}")
+    for module in modules:
+        module.active = name if name in parts(module) else None
+        for key, layer in parts(module).items():
+            layer.requires_grad_(key == name)
+
+
+def parts(module: Adapted | Saved) -> nn.ModuleDict:
+    """An adapted layer's adapters, or a saved module's copies, by adapter name."""
+    return module.adapters if isinstance(module, Adapted) else module.copies

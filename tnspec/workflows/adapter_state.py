@@ -1,6 +1,6 @@
 """What a model's tnspec adapters become after training: merged into the base weights
-(``merge_adapters``), saved and loaded on their own (``adapter_state_dict``,
-``load_adapters``), switched (``set_adapter``) or turned off for a while
+(``merge_adapters``), saved and loaded on their own (``adapter_state_dict`` and
+``adapter_config``, ``load_adapters``), switched (``set_adapter``) or turned off for a while
 (``disable_adapters``)."""
 
 from __future__ import annotations
@@ -19,13 +19,13 @@ from torch.nn.utils.weight_norm import WeightNorm
 from ..errors import SpecError
 from ..shapes import geometry
 from ..nn.api import _with_options, compile
-from .adapted import Adapted
-from .adapters import (TensorizedConv, TensorizedLinear, _adapted, _geometry_differs, _padding,
-                       set_adapter)
+from .adapted import Adapted, Saved, adapted_modules, parts, set_adapter
+from .adapters import TensorizedConv, TensorizedLinear, _geometry_differs, _padding
 from .dense_layers import is_dense, is_linear, kind_names, stored, weight_of
 from .merge import parameter_holders, set_submodule
 
-FORMAT = "tnspec-adapters/1"  # the tag of adapter_state_dict's layout
+FORMAT = "tnspec-adapters/2"  # the tag of adapter_config's layout
+_NESTED = "tnspec-adapters/1"  # the nested dict adapter_state_dict returned before
 
 
 @contextlib.contextmanager
@@ -35,7 +35,7 @@ def disable_adapters(model: nn.Module) -> Iterator[nn.Module]:
         with tnspec.disable_adapters(model):
             reference = model(x)
     """
-    modules = [m for _, m in _adapted(model)]
+    modules = [m for _, m in adapted_modules(model)]
     before = [m.disabled for m in modules]
     for m in modules:
         m.disabled = True
@@ -58,27 +58,37 @@ def merge_adapters(model: nn.Module, name: str | Sequence[str] | None = None, *,
     ``adapt``: call ``requires_grad_()`` to train them)."""
     if name is not None:
         wanted = [name] if isinstance(name, str) else list(name)
-        present = {k for _, m in _adapted(model) for k in m.adapters}
+        present = {k for _, m in adapted_modules(model) for k in parts(m)}
         missing = [n for n in wanted if n not in present]
         if missing:
             raise SpecError(f"no layer has an adapter named {missing[0]!r}",
                             hint=f"the adapters are {', '.join(sorted(present)) or 'none'}")
+        for path, module in adapted_modules(model):
+            both = [n for n in wanted if isinstance(module, Saved) and n in module.copies]
+            if len(both) > 1:
+                raise SpecError(f"adapters {both[0]!r} and {both[1]!r} each train their own "
+                                f"copy of {path!r} (modules_to_save): merged, it can be only "
+                                "one", hint="merge one of them")
     target = model if inplace else copy.deepcopy(model)
     holders = parameter_holders(target)
     merged: dict[int, nn.Module] = {}
     for path, module in list(target.named_modules(remove_duplicate=False)):
-        if not isinstance(module, Adapted):
+        if not isinstance(module, (Adapted, Saved)):
             continue
         if id(module) not in merged:
             names = ([module.active] if module.active and not module.disabled else []) \
-                if name is None else [n for n in wanted if n in module.adapters]
-            base = module.base
-            if names:
-                weight = weight_of(base).detach().double()
-                for n in names:
-                    weight = weight + module.delta_weight(n).to(weight.device)
-                _write_weight(base, stored(base, weight).to(base.weight.dtype), path, holders)
-            merged[id(module)] = base
+                if name is None else [n for n in wanted if n in parts(module)]
+            if isinstance(module, Saved):  # the copy trained in full stands in for it
+                merged[id(module)] = module.copies[names[0]] if names else module.original
+            else:
+                base = module.base
+                if names:
+                    weight = weight_of(base).detach().double()
+                    for n in names:
+                        weight = weight + module.delta_weight(n).to(weight.device)
+                    _write_weight(base, stored(base, weight).to(base.weight.dtype), path,
+                                  holders)
+                merged[id(module)] = base
         if not path:
             return merged[id(module)]
         set_submodule(target, path, merged[id(module)])
@@ -112,52 +122,103 @@ def _write_weight(base: nn.Module, value: torch.Tensor, path: str,
         weight.copy_(value)
 
 
-def adapter_state_dict(model: nn.Module) -> dict[str, Any]:
-    """The adapters of ``model`` alone: each one's cores plus what rebuilds it (its spec and
-    sizes, scaling, padding, the layer it adapts) and the active adapter; no base tensor.
-    Save it with ``torch.save``; :func:`load_adapters` puts it back on a fresh base model."""
+def adapter_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The adapters of ``model`` alone, flat (name -> tensor, as ``state_dict`` names them):
+    each adapter's cores (``"<layer>.adapters.<adapter>.<core>"``) and each copy trained in
+    full (``"<module>.copies.<adapter>.<name>"``); no base tensor. With
+    :func:`adapter_config` (what rebuilds them, JSON-able) it is all :func:`load_adapters`
+    needs; ``safetensors`` stores it::
+
+        save_file(adapter_state_dict(model), "adapters.safetensors",
+                  metadata={"tnspec": json.dumps(adapter_config(model))})
+    """
+    state: dict[str, torch.Tensor] = {}
+    for path, module in adapted_modules(model):
+        for key, part in parts(module).items():
+            prefix = ".".join(filter(None, [path, "adapters" if isinstance(module, Adapted)
+                                            else "copies", key]))
+            state |= {f"{prefix}.{n}": t.detach() for n, t in part.state_dict().items()}
+    return state
+
+
+def adapter_config(model: nn.Module) -> dict[str, Any]:
+    """What rebuilds the adapters of ``model`` around their tensors (JSON-able): per adapted
+    layer, each adapter's spec and sizes, scaling, padding and zeroed core, and the active
+    one; per module trained in full, its copies and the active one."""
     layers: dict[str, Any] = {}
-    for path, module in _adapted(model):
+    saved: dict[str, Any] = {}
+    for path, module in adapted_modules(model):
+        if isinstance(module, Saved):
+            saved[path] = {"active": module.active, "copies": list(module.copies)}
+            continue
         layers[path] = {"active": module.active, "adapters": {
             key: {"spec": layer.spec, "sizes": dict(layer.sizes),
                   "scaling": module.scaling[key], "zeroed": module.zeroed[key],
                   "pad": None if module.pads[key] is None else
-                  [list(module.pads[key][0]), module.pads[key][1]],
-                  "cores": {n: p.detach() for n, p in layer.named_parameters()}}
+                  [list(module.pads[key][0]), module.pads[key][1]]}
             for key, layer in module.adapters.items()}}
-    return {"format": FORMAT, "layers": layers}
+    return {"format": FORMAT, "layers": layers, "saved": saved}
 
 
-def load_adapters(model: nn.Module, state: Mapping[str, Any], *,
-                  strict: bool = True) -> nn.Module:
-    """Rebuild the adapters of ``state`` (from :func:`adapter_state_dict`) on ``model``, a
-    copy of the base model they were trained on, in place; freeze the base as ``adapt`` does.
-    Returns the model (the ``Adapted`` module where the model is a bare adapted layer).
-    ``strict``: every layer ``state`` names must exist with the geometry it was adapted at."""
-    if not isinstance(state, Mapping) or state.get("format") != FORMAT:
-        raise SpecError("not an adapter state", hint="give what tnspec.adapter_state_dict "
-                        "returned (torch.load it first)")
+def load_adapters(model: nn.Module, state: Mapping[str, Any],
+                  config: Mapping[str, Any] | None = None, *, strict: bool = True
+                  ) -> nn.Module:
+    """Rebuild the adapters of ``state`` and ``config`` (from :func:`adapter_state_dict` and
+    :func:`adapter_config`) on ``model``, a copy of the base model they were trained on, in
+    place; freeze the base as ``adapt`` does. Returns the model (the ``Adapted`` module where
+    the model is a bare adapted layer). ``strict``: every layer they name must exist with the
+    geometry it was adapted at, and every tensor of ``state`` must be used. The nested dict
+    of earlier releases (``"tnspec-adapters/1"``, one ``torch.save`` file) loads without
+    ``config``."""
+    if config is None and isinstance(state, Mapping) and state.get("format") == _NESTED:
+        state, config = _flattened(state)
+    if not isinstance(config, Mapping) or config.get("format") != FORMAT:
+        raise SpecError("not an adapter config" if config is not None else
+                        "load_adapters needs the adapters' config beside their tensors",
+                        hint="give load_adapters(model, adapter_state_dict(m), "
+                        "adapter_config(m)), as they were saved")
     # check, then change: every layer is found and every adapter rebuilt before the model is
     # touched, so that an error leaves it as it was
+    used: set[str] = set()
     planned = []
-    for path, entry in state["layers"].items():
-        try:
-            module = model.get_submodule(path)
-        except AttributeError:
-            if strict:
-                raise SpecError(f"the model has no layer {path!r} to put an adapter on",
-                                hint="load onto the model the adapters were trained on, or "
-                                "pass strict=False") from None
+    for path, entry in config["layers"].items():
+        module = _found(model, path, strict)
+        if module is None:
             continue
         base = module.base if isinstance(module, Adapted) else module
         if not is_dense(base):
             raise SpecError(f"layer {path!r} is a {type(base).__name__}, not an "
                             f"{kind_names()}")
-        adapters = [(key, _rebuilt(base, path, key, saved), float(saved["scaling"]),
-                     None if saved["pad"] is None else
-                     (tuple(saved["pad"][0]), saved["pad"][1]), saved["zeroed"])
-                    for key, saved in entry["adapters"].items()]
+        adapters = []
+        for key, saved in entry["adapters"].items():
+            prefix = ".".join(filter(None, [path, "adapters", key])) + "."
+            cores = {n[len(prefix):]: t for n, t in state.items() if n.startswith(prefix)}
+            used |= {prefix + n for n in cores}
+            adapters.append((key, _rebuilt(base, path, key, saved, cores),
+                             float(saved["scaling"]), None if saved["pad"] is None else
+                             (tuple(saved["pad"][0]), saved["pad"][1]), saved["zeroed"]))
         planned.append((path, module, adapters, entry["active"]))
+    copies = []
+    for path, entry in config.get("saved", {}).items():
+        module = _found(model, path, strict)
+        if module is None:
+            continue
+        for key in entry["copies"]:
+            prefix = ".".join(filter(None, [path, "copies", key])) + "."
+            tensors = {n[len(prefix):]: t for n, t in state.items() if n.startswith(prefix)}
+            used |= {prefix + n for n in tensors}
+            copy_ = copy.deepcopy(module.original if isinstance(module, Saved) else module)
+            try:
+                copy_.load_state_dict(tensors)
+            except RuntimeError as exc:
+                raise SpecError(f"the copy of {path!r} for adapter {key!r} does not load: "
+                                f"{str(exc).splitlines()[0]}") from None
+            copies.append((path, module, key, copy_, entry["active"]))
+    unused = sorted(set(state) - used)
+    if strict and unused:
+        raise SpecError(f"the adapter state has tensors no adapter uses: {unused[0]!r}"
+                        + (f" (and {len(unused) - 1} more)" if len(unused) > 1 else ""),
+                        hint="give the config saved with these tensors, or strict=False")
     root = model
     for path, module, adapters, _ in planned:
         owner = module if isinstance(module, Adapted) else Adapted(module)
@@ -168,14 +229,46 @@ def load_adapters(model: nn.Module, state: Mapping[str, Any], *,
                 set_submodule(model, path, owner)
             else:
                 root = owner
+    owners: dict[str, Saved] = {}
+    for path, module, key, copy_, _ in copies:
+        owner = owners.setdefault(path, module if isinstance(module, Saved) else Saved(module))
+        owner.copies[key] = copy_
+        if owner is not module:
+            set_submodule(root, path, owner)
     for p in root.parameters():
         p.requires_grad_(False)
-    for active in dict.fromkeys(a for *_, a in planned if a):
+    actives = [a for *_, a in planned] + [a for *_, a in copies]
+    for active in dict.fromkeys(a for a in actives if a):
         set_adapter(root, active)
     return root
 
 
-def _rebuilt(base: nn.Module, path: str, key: str, saved: Mapping[str, Any]) -> nn.Module:
+def _found(model: nn.Module, path: str, strict: bool) -> nn.Module | None:
+    """The module at ``path``; None where there is none and not ``strict``."""
+    try:
+        return model.get_submodule(path)
+    except AttributeError:
+        if strict:
+            raise SpecError(f"the model has no layer {path!r} to put an adapter on",
+                            hint="load onto the model the adapters were trained on, or "
+                            "pass strict=False") from None
+        return None
+
+
+def _flattened(nested: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The earlier nested layout (``"tnspec-adapters/1"``) as ``(state, config)``."""
+    state, layers = {}, {}
+    for path, entry in nested["layers"].items():
+        layers[path] = {"active": entry["active"], "adapters": {}}
+        for key, saved in entry["adapters"].items():
+            layers[path]["adapters"][key] = {k: v for k, v in saved.items() if k != "cores"}
+            prefix = ".".join(filter(None, [path, "adapters", key]))
+            state |= {f"{prefix}.{n}": t for n, t in saved["cores"].items()}
+    return state, {"format": FORMAT, "layers": layers, "saved": {}}
+
+
+def _rebuilt(base: nn.Module, path: str, key: str, saved: Mapping[str, Any],
+             cores: Mapping[str, torch.Tensor]) -> nn.Module:
     net = _with_options(compile(saved["spec"], sizes=saved["sizes"]), bias=False)
     differs = _geometry_differs(base, net)
     if differs:
@@ -189,7 +282,6 @@ def _rebuilt(base: nn.Module, path: str, key: str, saved: Mapping[str, Any]) -> 
                         hint="load it onto a copy of the model it was trained on")
     cls = TensorizedLinear if is_linear(base) else TensorizedConv
     layer = cls(net, dtype=base.weight.dtype, device=base.weight.device)
-    cores = dict(saved["cores"])
     for n, p in layer.named_parameters():
         if n not in cores or tuple(cores[n].shape) != tuple(p.shape):
             raise SpecError(f"adapter {key!r} of layer {path!r}: core {n} is "

@@ -32,7 +32,7 @@ from ..fit import decompose
 from ..nn import formats
 from ..nn.api import _with_options, compile
 from ..nn.module import Layer
-from .adapted import Adapted, inside_adapted
+from .adapted import Adapted, Saved, inside_adapted, set_adapter
 from .dense_layers import check_forward, features, is_dense, is_linear, kind_names, weight_of
 from .merge import parameter_holders, set_submodule
 from .tensorize import (Selector, TensorizedConv, TensorizedLinear, _read_directly, _selected,
@@ -68,6 +68,7 @@ class AdaptReport:
     skipped: tuple[tuple[str, str], ...]
     trainable: int  # every trainable parameter of the model after adapt
     total: int  # every parameter of the model, adapters included
+    saved: tuple[tuple[str, int], ...] = ()  # modules_to_save: (name, parameters)
 
     def __str__(self) -> str:
         lines = [f"adapt: {self.adapter!r} ({self.format}) on {len(self.adapted)} layer(s), "
@@ -78,6 +79,9 @@ class AdaptReport:
             lines.append(f"      {a.params:,} trainable ({100 * a.share:.2f}% of its "
                          f"{a.base_params:,}), {a.zeroed} starts at zero"
                          + (f"; {a.note}" if a.note else ""))
+        for name, params in self.saved:
+            lines.append(f"  {name}: trained in full ({params:,} parameters, saved with the "
+                         "adapters)")
         for name, why in self.skipped:
             lines.append(f"  skipped {name}: {why}")
         return "\n".join(lines)
@@ -86,8 +90,8 @@ class AdaptReport:
 def adapt(model: nn.Module, fmt: Fmt = "low_rank", *, rank: int | float | None = None,
           include: Selector = None, exclude: Selector = None, scale: float = 1.0,
           name: str = "default", zero: str | None = None,
-          sizes: Mapping[str, int] | None = None, **options: Any
-          ) -> tuple[nn.Module, AdaptReport]:
+          sizes: Mapping[str, int] | None = None, modules_to_save: Selector = None,
+          **options: Any) -> tuple[nn.Module, AdaptReport]:
     """Add adapter ``name`` to every ``nn.Linear`` / ``nn.Conv1d/2d/3d`` of ``model`` selected by
     ``include``/``exclude`` (as :func:`tnspec.tensorize`), in place: each becomes an
     :class:`Adapted` module (or gets one more adapter), and every parameter of the model other
@@ -108,6 +112,14 @@ def adapt(model: nn.Module, fmt: Fmt = "low_rank", *, rank: int | float | None =
     At init the adapter is exactly zero (its core ``zero``, by default the output-side one, is
     zero), so the model computes what it did, bit for bit. Once the zero core reaches its
     Graph-in scale, the adapter's output variance is ``scale`` times the base layer's.
+
+    ``modules_to_save`` (names, glob patterns or a function of ``(name, module)``, as
+    ``include``; a name also matches at the end of a longer one, ``"classifier"`` matching
+    ``"model.classifier"``, as PEFT's) are trained in full instead: each becomes a
+    :class:`Saved` module holding the original and a trainable copy for this adapter, which
+    ``adapter_state_dict`` saves and ``merge_adapters`` keeps. A new classification head is
+    one. A layer that is tied to another (a language model's head and its token embedding)
+    is left out, and the report says so.
 
     >>> net = nn.Sequential(nn.Conv2d(4, 16, 3, padding=1, padding_mode="reflect"), nn.ReLU(),
     ...                     nn.Flatten(), nn.Linear(16 * 8 * 8, 10))
@@ -135,6 +147,7 @@ def adapt(model: nn.Module, fmt: Fmt = "low_rank", *, rank: int | float | None =
                         f"{', '.join(formats.NAMES)} (LoRA is low_rank), or write a spec")
     if rank is not None:
         formats.check_rank(rank)
+    to_save = _to_save(model, modules_to_save, name)
     adapted, skipped, wrapped = [], [], {}
     left_alone = _read_directly(model)
     holders = parameter_holders(model)
@@ -148,7 +161,8 @@ def adapt(model: nn.Module, fmt: Fmt = "low_rank", *, rank: int | float | None =
             owner = None
         else:
             continue
-        if not _selected(path, module, include, exclude):
+        if not _selected(path, module, include, exclude) or \
+                any(path == p or path.startswith(p + ".") for p, _ in to_save):
             continue
         if id(module) in wrapped:  # one module under several names: one Adapted for all
             owner = wrapped[id(module)][0]
@@ -187,12 +201,17 @@ def adapt(model: nn.Module, fmt: Fmt = "low_rank", *, rank: int | float | None =
         warnings.warn(f"adapt: the adapter of {', '.join(larger[:4])}"
                       f"{', ...' if len(larger) > 4 else ''} has more parameters than the "
                       "layer it adapts (see the report)", stacklevel=2)
-    if not adapted:  # nothing was changed: say why rather than report "100% train"
+    if not adapted and not to_save:  # nothing changed: say why rather than "100% train"
         why = first_skipped(skipped) if skipped else \
             f"no {kind_names()} layer is selected"
         raise SpecError(f"adapt changed nothing: {why}",
                         hint="check the format, rank= and zero=, or include= and exclude=")
     result = root if root is not None else model
+    for path, module in to_save:
+        owner = module if isinstance(module, Saved) else Saved(module)
+        owner.add(name)
+        if owner is not module:
+            set_submodule(result, path, owner)
     for p in result.parameters():  # as get_peft_model: the new adapter alone trains
         p.requires_grad_(False)
     set_adapter(result, name)
@@ -200,7 +219,40 @@ def adapt(model: nn.Module, fmt: Fmt = "low_rank", *, rank: int | float | None =
     return result, AdaptReport(name, fmt if isinstance(fmt, str) and fmt in formats.NAMES
                                else "spec", tuple(adapted), tuple(skipped),
                                sum(p.numel() for p in params if p.requires_grad),
-                               sum(p.numel() for p in params))
+                               sum(p.numel() for p in params),
+                               tuple((path, sum(p.numel() for p in m.parameters()))
+                                     for path, m in to_save))
+
+
+def _to_save(model: nn.Module, selector: Selector, name: str) -> list[tuple[str, nn.Module]]:
+    """The modules ``modules_to_save`` selects (the outermost of nested matches), checked:
+    a SpecError where it selects none, or one the copy cannot be made of."""
+    if selector is None:
+        return []
+    if isinstance(selector, str):
+        selector = [selector]
+    if not callable(selector):
+        patterns = list(selector)
+        selector = lambda path, module: any(  # noqa: E731 - PEFT's rule: a suffix matches
+            _selected(path, module, p, None) or path.endswith("." + p) for p in patterns)
+    inside = inside_adapted(model)
+    found: list[tuple[str, nn.Module]] = []
+    for path, module in model.named_modules():
+        if not path or any(path.startswith(p + ".") for p, _ in found) or \
+                not selector(path, module):
+            continue
+        if id(module) in inside and not isinstance(module, Saved):
+            raise SpecError(f"modules_to_save: {path!r} is inside the adapted module "
+                            f"{inside[id(module)]!r}", hint="save the whole adapted module's "
+                            "parent, or adapt that layer instead")
+        if isinstance(module, Saved) and name in module.copies:
+            raise SpecError(f"modules_to_save: {path!r} has a copy for adapter {name!r} "
+                            "already", hint="give another name=, or merge_adapters first")
+        found.append((path, module))
+    if not found:
+        raise SpecError(f"modules_to_save={selector!r} selects no module of the model",
+                        hint="give module names as model.named_modules() lists them")
+    return found
 
 
 def _check_untied(module: nn.Module, holders: dict[int, list[tuple[str, nn.Module]]]) -> None:
@@ -213,24 +265,6 @@ def _check_untied(module: nn.Module, holders: dict[int, list[tuple[str, nn.Modul
             raise SpecError(f"its weight is tied to {others[0]!r}'s (shared weights): left "
                             "alone so that merge_adapters keeps the tie",
                             hint="exclude= it, or untie the weights before adapt")
-
-
-def _adapted(model: nn.Module) -> list[tuple[str, Adapted]]:
-    return [(n, m) for n, m in model.named_modules() if isinstance(m, Adapted)]
-
-
-def set_adapter(model: nn.Module, name: str) -> None:
-    """Make adapter ``name`` the active one in every layer that has it (layers without it run
-    their base alone) and the only trainable adapter; other parameters keep their flags."""
-    modules = [m for _, m in _adapted(model)]
-    if not any(name in m.adapters for m in modules):  # checked before anything changes
-        names = sorted({k for m in modules for k in m.adapters})
-        raise SpecError(f"no layer has an adapter named {name!r}",
-                        hint=f"the adapters are {', '.join(names) or 'none (call adapt)'}")
-    for module in modules:
-        module.active = name if name in module.adapters else None
-        for key, layer in module.adapters.items():
-            layer.requires_grad_(key == name)
 
 
 def adapter_layer(base: nn.Module, fmt: Fmt, rank: int | float | None, scale: float,
