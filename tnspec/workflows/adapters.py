@@ -229,6 +229,7 @@ def _to_save(model: nn.Module, selector: Selector, name: str) -> list[tuple[str,
     a SpecError where it selects none, or one the copy cannot be made of."""
     if selector is None:
         return []
+    given = selector
     if isinstance(selector, str):
         selector = [selector]
     if not callable(selector):
@@ -250,7 +251,7 @@ def _to_save(model: nn.Module, selector: Selector, name: str) -> list[tuple[str,
                             "already", hint="give another name=, or merge_adapters first")
         found.append((path, module))
     if not found:
-        raise SpecError(f"modules_to_save={selector!r} selects no module of the model",
+        raise SpecError(f"modules_to_save={given!r} selects no module of the model",
                         hint="give module names as model.named_modules() lists them")
     return found
 
