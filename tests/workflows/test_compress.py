@@ -322,3 +322,25 @@ def test_fitting_to_inputs_needs_memory_for_the_sampled_patches_not_the_batch():
         assert out.returncode == 0, out.stderr
         peaks.append(float(out.stdout.split()[-1]))
     assert peaks[1] < peaks[0] + 48 and peaks[1] < 400, peaks
+
+
+def test_the_report_says_which_layer_types_it_left_alone_and_why():
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.attn = nn.MultiheadAttention(16, 2, batch_first=True)
+            self.norm = nn.LayerNorm(16)
+            self.ff = nn.Linear(16, 16)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.ff(self.norm(x + self.attn(x, x, x)[0]))
+
+    torch.manual_seed(0)
+    _, report = tnspec.compress(Block(), 0.8, data=torch.randn(2, 5, 16), shares=(0.5,))
+    assert [c.name for c in report.choices] == ["ff"]
+    assert dict(report.skipped)["attn.out_proj"] == \
+        "nn.MultiheadAttention reads this layer's weight directly"
+    text = str(report)
+    assert "left alone 1 x MultiheadAttention: its in-projection is a parameter its fused " \
+        "kernel reads, not a layer" in text
+    assert "left alone 1 x LayerNorm: a normalization" in text

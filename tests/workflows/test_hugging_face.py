@@ -89,7 +89,7 @@ def test_a_fitted_conv1d_is_fitted_to_its_weight_not_its_transpose():
     dense = new.dense_weight().detach()
     assert dense.shape == (24, 16)
     assert row.fit_error < 0.5
-    err = float((dense - layer.weight.T).norm() / layer.weight.norm())
+    err = float((dense - layer.weight.T).norm() / layer.weight.norm().detach())
     assert err == pytest.approx(row.fit_error, rel=1e-4)
     x = torch.randn(5, 16)
     with torch.no_grad():

@@ -219,7 +219,7 @@ def test_the_report_says_unchanged_or_more_and_why_an_embedding_has_no_such_form
 def test_an_excluded_embedding_is_not_called_a_kind_tensorize_does_not_replace():
     model = nn.Sequential(nn.Embedding(100, 8), nn.Linear(8, 8), nn.LayerNorm(8))
     _, report = tnspec.tensorize(model, "cp", rank=0.5, exclude=["0"])
-    assert report.other == (("LayerNorm", 1),)
+    assert report.other == (("LayerNorm", 1, "a normalization: a few parameters per channel"),)
 
 
 def test_an_unknown_format_is_refused():
@@ -269,6 +269,7 @@ def test_tied_weights_stay_tied_and_skipped_kinds_are_counted():
     assert "skipped 1 x Linear (shared): its parameters are shared with 'again'" in text
     assert "skipped 2 x Conv2d (dw1, dw2): a depthwise conv" in text
     assert "skipped 1 x Embedding (emb): its parameters are shared with 'head'" in text
-    assert "not a kind tensorize replaces: 1 x ConvTranspose2d\n" in text + "\n"
+    assert "left alone 1 x ConvTranspose2d: a transposed conv: no tnspec format stands for it " \
+        "yet\n" in text + "\n"
     x = torch.randint(0, 100, (3,))
     assert model(x).shape == (3, 100)

@@ -173,8 +173,6 @@ def adapt(model: nn.Module, fmt: Fmt = "low_rank", *, rank: int | float | None =
             if path in left_alone:
                 raise SpecError(left_alone[path])
             _check_untied(module, holders)
-            if isinstance(module, nn.modules.linear.NonDynamicallyQuantizableLinear):
-                raise SpecError("nn.MultiheadAttention reads this layer's weight directly")
             if owner is not None and name in owner.adapters:
                 raise SpecError(f"it has an adapter named {name!r} already",
                                 hint="give another name=, or merge_adapters first")

@@ -36,7 +36,7 @@ from ..nn.module import Layer
 from . import observe
 from .adapted import adapted_parts
 from .merge import set_submodule
-from .dense_layers import check_forward, is_dense, weight_of
+from .dense_layers import check_forward, is_dense, never_replaced, weight_of
 from .tensorize import (Selector, _keep_state, _read_directly, _replacement, _selected, _tied,
                         first_skipped)
 
@@ -81,6 +81,7 @@ class CompressReport:
     seconds: float
     extra: Mapping[str, Any] = field(default_factory=dict)
     unfitted: int = 0  # candidates max_seconds left no time for
+    other: tuple[tuple[str, int, str], ...] = ()  # (kind, count, why) of those never replaced
 
     @property
     def params_before(self) -> int:
@@ -118,6 +119,8 @@ class CompressReport:
             lines.append(f"  skipped {name}: {why}")
         if self.unfitted:
             lines.append(f"  {self.unfitted} candidate(s) not fitted: max_seconds was spent")
+        for kind, n, why in self.other:
+            lines.append(f"  left alone {n} x {kind}: {why}")
         return "\n".join(lines)
 
     def plot(self, path: str | None = None) -> Any:
@@ -192,6 +195,7 @@ def compress(model: nn.Module, budget: float = 0.25, formats: Sequence[str] = FO
         raise SpecError(f"fit= has no option {unknown[0]!r}",
                         hint=f"the options are {', '.join(FIT)}")
     options = {**FIT, **dict(fit or {})}
+    other = never_replaced(model)
     left_alone = {**_read_directly(model), **_tied(model), **adapted_parts(model)}
     layers, skipped = [], []
     for name, module in model.named_modules():
@@ -290,7 +294,7 @@ def compress(model: nn.Module, budget: float = 0.25, formats: Sequence[str] = FO
     _apply(model, chosen_layers)
     progress.close()
     return model, CompressReport(budget, tuple(report_rows), tuple(skipped), data is not None,
-                                 time.monotonic() - started, unfitted=unfitted)
+                                 time.monotonic() - started, unfitted=unfitted, other=other)
 
 
 def _allocate(items: list[list[tuple[int, float]]], budget: float, units: int = 2000

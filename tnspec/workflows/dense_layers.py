@@ -69,7 +69,10 @@ def stored(module: nn.Module, value: torch.Tensor) -> torch.Tensor:
 
 def check_forward(module: nn.Module) -> None:
     """SpecError unless ``module`` computes what its base class does: a subclass that
-    overrides ``forward`` (a weight-standardized conv, a LoRA linear) is not its weight."""
+    overrides ``forward`` (a weight-standardized conv, a LoRA linear) is not its weight, and
+    ``nn.MultiheadAttention``'s out-projection is read by its parent, never called."""
+    if isinstance(module, nn.modules.linear.NonDynamicallyQuantizableLinear):
+        raise SpecError("nn.MultiheadAttention reads this layer's weight directly")
     base = next(b for b in (*linear_kinds(), *CONVS) if isinstance(module, b))
     for method in ("forward", "_conv_forward"):
         if getattr(type(module), method, None) is not getattr(base, method, None):
@@ -80,3 +83,31 @@ def check_forward(module: nn.Module) -> None:
 def kind_names() -> str:
     """The layer types in words, for messages."""
     return "nn.Linear, nn.Conv1d/2d/3d or transformers' Conv1D"
+
+
+def never_replaced(model: nn.Module, embeddings: bool = False) -> tuple[tuple[str, int, str], ...]:
+    """``(module type, how many, why)`` for the modules of ``model`` that hold parameters of
+    their own and are no dense layer (embeddings aside where ``embeddings``), so that a report
+    can say what it left alone and why; tnspec's own modules aside. (A dense layer a workflow
+    does not replace is one of its skipped layers, with the reason.)"""
+    counts: dict[str, list] = {}
+    for module in model.modules():
+        if is_dense(module) or next(module.parameters(recurse=False), None) is None or \
+                type(module).__module__.startswith("tnspec.") or \
+                embeddings and isinstance(module, (nn.Embedding, nn.EmbeddingBag)):
+            continue
+        kind = type(module).__name__
+        counts.setdefault(kind, [0, _why(module)])[0] += 1
+    return tuple((kind, n, why) for kind, (n, why) in sorted(counts.items()))
+
+
+def _why(module: nn.Module) -> str:
+    if isinstance(module, nn.MultiheadAttention):
+        return "its in-projection is a parameter its fused kernel reads, not a layer"
+    if isinstance(module, (nn.Embedding, nn.EmbeddingBag)):
+        return "an embedding: tnspec.tensorize replaces it by a factorized table"
+    if "Norm" in type(module).__name__:
+        return "a normalization: a few parameters per channel"
+    if isinstance(module, (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)):
+        return "a transposed conv: no tnspec format stands for it yet"
+    return f"not a layer tnspec knows ({kind_names()})"

@@ -24,7 +24,8 @@ from ..nn.layout import LayoutChoice
 from ..nn.module import Layer
 from .activations import following_activations
 from .adapted import adapted_parts
-from .dense_layers import check_forward, features, is_dense, is_linear, weight_of
+from .dense_layers import (check_forward, features, is_dense, is_linear, never_replaced,
+                           weight_of)
 from .merge import parameter_holders, set_submodule
 
 Selector = str | Sequence[str] | Callable[[str, nn.Module], bool] | None
@@ -70,7 +71,7 @@ class Report:
     params_before: int
     params_after: int
     skipped_kinds: tuple[str, ...] = ()  # the module type of each skipped layer
-    other: tuple[tuple[str, int], ...] = ()  # kinds with parameters tensorize never replaces
+    other: tuple[tuple[str, int, str], ...] = ()  # (kind, count, why) of those never replaced
     layout: LayoutChoice | None = None  # memory_format=: what the model was left in, and why
 
     def __str__(self) -> str:
@@ -93,9 +94,8 @@ class Report:
         for (kind, why), names in groups.items():  # one line per kind and reason
             shown = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
             lines.append(f"  skipped {len(names)} x {kind} ({shown}): {why}")
-        if self.other:
-            lines.append("  not a kind tensorize replaces: " +
-                         ", ".join(f"{n} x {kind}" for kind, n in self.other))
+        for kind, n, why in self.other:
+            lines.append(f"  left alone {n} x {kind}: {why}")
         return "\n".join(lines)
 
 
@@ -168,7 +168,7 @@ def tensorize(model: nn.Module, format: str = "tucker2", *, rank: int | float = 
     # {layer name: why}
     left_alone = {**_read_directly(model), **_tied(model), **adapted_parts(model)}
     replaced, skipped, kinds = [], [], []
-    other: dict[str, int] = {}
+    other = never_replaced(model, embeddings=True)
     progress = Progress("tensorize")  # a line per layer where a person watches
     for name, module in list(model.named_modules()):
         if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and \
@@ -189,9 +189,6 @@ def tensorize(model: nn.Module, format: str = "tucker2", *, rank: int | float = 
                                         "an embedding", fit_error, error))
             continue
         if not is_dense(module) or isinstance(module, Layer):
-            if not isinstance(module, (Layer, nn.Embedding, nn.EmbeddingBag)) and \
-                    next(module.parameters(recurse=False), None) is not None:
-                other[type(module).__name__] = other.get(type(module).__name__, 0) + 1
             continue
         if not _selected(name, module, include, exclude):
             continue
@@ -230,7 +227,7 @@ def tensorize(model: nn.Module, format: str = "tucker2", *, rank: int | float = 
     after = sum(p.numel() for p in model.parameters())
     chosen = layout.apply(model, layout_asked, example)
     return model, Report(format, tuple(replaced), tuple(skipped), before, after, tuple(kinds),
-                         tuple(sorted(other.items())), chosen)
+                         other, chosen)
 
 
 def first_skipped(skipped: Sequence[tuple[str, str]]) -> str:
@@ -287,8 +284,6 @@ def _replacement(module: nn.Module, format: str, rank: int | float, init: str,
                  activation: str | float, options: dict[str, Any]) -> Layer:
     """The tnspec layer for one dense layer; SpecError says why it cannot be."""
     weight = module.weight
-    if isinstance(module, nn.modules.linear.NonDynamicallyQuantizableLinear):
-        raise SpecError("nn.MultiheadAttention reads this layer's weight directly")
     if is_linear(module):
         fmt = formats.build(format, *features(module), (), rank=rank, **options)
         cls: type[Layer] = TensorizedLinear
