@@ -1,10 +1,13 @@
 """``tnspec.compress``: a trained model at a parameter budget, with the format and rank of each
 layer chosen to lose the least, each candidate fitted to the data the layer sees.
 
-For every replaceable ``nn.Linear`` / ``nn.ConvNd`` (as :func:`tnspec.tensorize` selects them) a
-grid of candidates (formats x rank shares) is fitted to the trained weight: to the layer's
-outputs on the inputs that reach it where ``data`` is given (:meth:`Layer.fit_` with
-``inputs``), to the weight otherwise. Each candidate has a relative error ``e`` (of the outputs,
+For every replaceable layer (as :func:`tnspec.tensorize` selects them) a grid of candidates
+(formats x rank shares) is fitted to the trained weight: to the layer's outputs on the inputs that
+reach it where ``data`` is given (:meth:`Layer.fit_` with ``inputs``; for a low-rank, CP or
+Tucker-2 linear layer in closed form, the truncated SVD in the inputs' metric), to the weight
+otherwise. The formats are fitted one after the other over all layers, so that a time budget
+leaves every layer the cheap ones; a format beaten at a layer's two smallest shares is not fitted
+at its larger ones. Each candidate has a relative error ``e`` (of the outputs,
 or of the weight) and a parameter count. The allocation then solves
 
     minimize  sum_l  s_l^2 e_l^2   over one choice per layer (a candidate, or the dense layer)
@@ -81,6 +84,7 @@ class CompressReport:
     seconds: float
     extra: Mapping[str, Any] = field(default_factory=dict)
     unfitted: int = 0  # candidates max_seconds left no time for
+    pruned: int = 0  # candidates of formats beaten at their two smallest shares, not fitted
     other: tuple[tuple[str, int, str], ...] = ()  # (kind, count, why) of those never replaced
 
     @property
@@ -117,6 +121,9 @@ class CompressReport:
                          f"{c.chosen.error:>13.4f} {c.sensitivity:>11.3f} {ratio:>6}")
         for name, why in self.skipped:
             lines.append(f"  skipped {name}: {why}")
+        if self.pruned:
+            lines.append(f"  {self.pruned} candidate(s) not fitted: their format was beaten at "
+                         "its two smallest shares (prune=False fits them)")
         if self.unfitted:
             lines.append(f"  {self.unfitted} candidate(s) not fitted: max_seconds was spent")
         for kind, n, why in self.other:
@@ -152,7 +159,7 @@ def compress(model: nn.Module, budget: float = 0.25, formats: Sequence[str] = FO
              exclude: Selector = None, latency: bool = False, shares: Sequence[float] = SHARES,
              fit: Mapping[str, Any] | None = None, max_batches: int = 8,
              run: observe.Runner | None = None, max_seconds: float | None = None,
-             timer: Timer | None = None) -> tuple[nn.Module, CompressReport]:
+             prune: bool = True, timer: Timer | None = None) -> tuple[nn.Module, CompressReport]:
     """Replace, in place, the selected ``nn.Linear`` / ``nn.Conv1d/2d/3d`` layers of ``model``
     (``include``/``exclude`` as :func:`tnspec.tensorize`) by tnspec layers of one of
     ``formats`` at one of ``shares`` of their parameters, or keep them dense, so that the
@@ -171,7 +178,11 @@ def compress(model: nn.Module, budget: float = 0.25, formats: Sequence[str] = FO
     input shape the layer saw, and drops candidates slower than dense; ``timer(module,
     shape) -> seconds`` replaces that timing. ``max_seconds`` bounds the whole call: the
     formats are fitted one after the other over all layers, cheapest first, and the candidates
-    left when the time is spent are not fitted (the report says how many).
+    left when the time is spent are not fitted (the report says how many). ``prune``: a
+    format whose candidates at a layer's two smallest shares are each beaten (another format's
+    candidate has no more parameters and no larger error) is not fitted at that layer's larger
+    shares: on MiniLM's linear layers the order of the formats held at every share (low-rank
+    first), and the fits it saves are the slowest (tensor rings).
 
     Returns ``(model, report)``; ``print(report)`` shows a row per layer, ``report.plot()``
     the candidates. Nothing in the model changes until every fit is done: an error or Ctrl-C
@@ -245,17 +256,21 @@ def compress(model: nn.Module, budget: float = 0.25, formats: Sequence[str] = FO
     # format by format over all layers: under a time budget every layer has the first
     # formats' candidates before any has the last's
     networks: dict[str, set] = {name: set() for name, _ in layers}
+    pruned = 0
     for fmt in formats:
         for (name, module), (_, dense_params, options_here, _, dense_seconds) in \
                 zip(layers, choices):
             shape, metric = seen.get(name, (None, None))
             time_of = (timer or _timed) if latency and shape is not None else None
-            count = 0
-            for share in shares:
+            count, beaten = 0, 0
+            for k, share in enumerate(sorted(shares)):
                 left = deadline - time.monotonic()
                 if left <= 0:
                     unfitted += 1
                     continue
+                if prune and beaten == 2 == k:  # beaten at its two smallest shares
+                    pruned += len(shares) - k
+                    break
                 try:
                     new = _replacement(module, fmt, share, "graph-in", "linear", {})
                 except SpecError:
@@ -265,21 +280,16 @@ def compress(model: nn.Module, budget: float = 0.25, formats: Sequence[str] = FO
                 if same in networks[name]:
                     continue
                 networks[name].add(same)
-                error = new._fit(weight_of(module).detach(), metric,
-                                 **{**options, "max_seconds": min(options["max_seconds"] or
-                                                                  math.inf, left)})
-                if module.bias is not None:
-                    with torch.no_grad():
-                        new.bias.copy_(module.bias.reshape(new.bias.shape))
-                _keep_state(module, new)  # frozen stays frozen, and is timed so
-                seconds = time_of(new, shape) if time_of else None
-                if seconds is not None and dense_seconds is not None and \
-                        seconds > dense_seconds:
-                    continue  # latency: never slower than the dense layer
-                params = sum(p.numel() for p in new.parameters())
-                if params < dense_params:
-                    options_here.append((Candidate(fmt, share, params, error, seconds), new))
-                    count += 1
+                cand = _fitted(module, new, fmt, share, metric,
+                               {**options, "max_seconds": min(options["max_seconds"] or
+                                                              math.inf, left)},
+                               time_of, shape, dense_seconds)
+                if cand is None or cand.params >= dense_params:
+                    continue
+                beaten += any(c.format not in ("dense", fmt) and c.share == share and
+                              c.error <= cand.error for c, _ in options_here)
+                options_here.append((cand, new))
+                count += 1
             progress.line(f"{name}: {count} {fmt} candidate(s) fitted "
                           f"({time.monotonic() - started:.0f} s so far)")
     picks = _allocate([[(c.params, (s * c.error) ** 2) for c, _ in opts]
@@ -294,7 +304,24 @@ def compress(model: nn.Module, budget: float = 0.25, formats: Sequence[str] = FO
     _apply(model, chosen_layers)
     progress.close()
     return model, CompressReport(budget, tuple(report_rows), tuple(skipped), data is not None,
-                                 time.monotonic() - started, unfitted=unfitted, other=other)
+                                 time.monotonic() - started, unfitted=unfitted, other=other,
+                                 pruned=pruned)
+
+
+def _fitted(module: nn.Module, new: Layer, fmt: str, share: float, metric: torch.Tensor | None,
+            options: Mapping[str, Any], time_of: Timer | None, shape: tuple[int, ...] | None,
+            dense_seconds: float | None) -> Candidate | None:
+    """``new`` fitted to ``module`` (its bias copied, its flags kept) as a candidate; None where
+    ``latency`` finds it slower than the dense layer."""
+    error = new._fit(weight_of(module).detach(), metric, **options)
+    if module.bias is not None:
+        with torch.no_grad():
+            new.bias.copy_(module.bias.reshape(new.bias.shape))
+    _keep_state(module, new)  # frozen stays frozen, and is timed so
+    seconds = time_of(new, shape) if time_of else None
+    if seconds is not None and dense_seconds is not None and seconds > dense_seconds:
+        return None  # latency: never slower than the dense layer
+    return Candidate(fmt, share, sum(p.numel() for p in new.parameters()), error, seconds)
 
 
 def _allocate(items: list[list[tuple[int, float]]], budget: float, units: int = 2000

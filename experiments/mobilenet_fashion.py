@@ -1,0 +1,167 @@
+"""torchvision's ImageNet MobileNetV2 transferred to Fashion-MNIST (images resized to 96x96 and
+repeated to 3 channels).
+
+1. Frozen features and a logistic-regression probe on the pooled 1,280 features: the original
+   network, its 1x1 convs compressed to 50% of their parameters by ``tnspec.compress`` with data,
+   and by the truncated SVD of each (weight-only, the same parameters).
+2. Fine-tuning with adapters on the 1x1 convs at about 1% of the network's parameters, the new
+   head trained in full (``modules_to_save``): tnspec's formats against PEFT's LoRA at the same
+   trainable parameters, one seed, the same batches.
+
+    python -m experiments.mobilenet_fashion          # ~30 min on 2 cores
+    python -m experiments.mobilenet_fashion --smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import time
+
+import torch
+from torch import nn
+
+import tnspec
+
+from . import assets, mobilenet
+from .common import markdown_table, save
+
+SIZE = 96
+
+
+def pointwise(name: str, module: nn.Module) -> bool:
+    """The 1x1 convs of the feature extractor (expansions and projections)."""
+    return name.startswith("features.") and isinstance(module, nn.Conv2d) and \
+        module.kernel_size == (1, 1)
+
+
+def features(model: mobilenet.MobileNetV2, x: torch.Tensor, batch: int = 128) -> torch.Tensor:
+    with torch.no_grad():
+        return torch.cat([model.embed(x[i:i + batch]) for i in range(0, len(x), batch)])
+
+
+def probe(model: nn.Module, data: tuple[torch.Tensor, ...]) -> float:
+    from sklearn.linear_model import LogisticRegression
+    from sklearn.preprocessing import StandardScaler
+    x_tr, y_tr, x_te, y_te = data
+    f_tr, f_te = features(model, x_tr).numpy(), features(model, x_te).numpy()
+    scale = StandardScaler().fit(f_tr)
+    clf = LogisticRegression(max_iter=1000).fit(scale.transform(f_tr), y_tr.numpy())
+    return float(clf.score(scale.transform(f_te), y_te.numpy()))
+
+
+def params_of(model: nn.Module, select=pointwise) -> int:
+    return sum(p.numel() for n, m in model.named_modules() if select(n, m)
+               for p in m.parameters())
+
+
+def fine_tune(model: nn.Module, data: tuple[torch.Tensor, ...], steps: int, seed: int,
+              lr: float) -> tuple[float, float]:
+    """AdamW on the trainable parameters, batches of 32 (BatchNorm statistics frozen: eval
+    mode); ``(test accuracy, seconds per step)``."""
+    x_tr, y_tr, x_te, y_te = data
+    gen = torch.Generator().manual_seed(seed)
+    order = torch.randint(0, len(x_tr), (steps, 32), generator=gen)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
+    model.eval()  # frozen BatchNorm statistics, as fine-tuning a small batch does
+    start = time.perf_counter()
+    for idx in order:
+        loss = nn.functional.cross_entropy(model(x_tr[idx]), y_tr[idx])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    per_step = (time.perf_counter() - start) / steps
+    with torch.no_grad():
+        logits = torch.cat([model(x_te[i:i + 256]) for i in range(0, len(x_te), 256)])
+    return float((logits.argmax(1) == y_te).float().mean()), per_step
+
+
+def with_head(classes: int = 10) -> mobilenet.MobileNetV2:
+    torch.manual_seed(0)
+    model = mobilenet.pretrained()
+    model.classifier[1] = nn.Linear(1280, classes)
+    return model
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="a tiny version")
+    args = parser.parse_args()
+    started = time.time()
+    n_train, n_test, steps = (256, 256, 4) if args.smoke else (5000, 2000, 300)
+    images, labels = assets.fashion_mnist("train", n_train)
+    test_images, test_labels = assets.fashion_mnist("test", n_test)
+    data = (mobilenet.fashion_inputs(images, SIZE), labels,
+            mobilenet.fashion_inputs(test_images, SIZE), test_labels)
+    model = mobilenet.pretrained()
+    dense = params_of(model)
+    rows = [("original", f"{dense:,}", probe(model, data), "-")]
+    batches = [data[0][i:i + 32] for i in range(0, 256, 32)]
+    t = time.time()
+    small, report = tnspec.compress(copy.deepcopy(model), 0.5, data=batches, include=pointwise,
+                                    formats=("low_rank", "tucker2") if args.smoke
+                                    else ("low_rank", "cp", "tucker2", "tt", "tr"))
+    rows.append(("tnspec.compress with data, 50%", f"{params_of(small, _replaced):,}",
+                 probe(small, data), f"{time.time() - t:.0f}"))
+    t = time.time()
+    svd, _ = tnspec.tensorize(copy.deepcopy(model), "low_rank", rank=0.5, weights="fit",
+                              include=pointwise, fit={"hops": 0, "starts": 1})
+    rows.append(("truncated SVD per layer, 50%", f"{params_of(svd, _replaced):,}",
+                 probe(svd, data), f"{time.time() - t:.0f}"))
+    print(rows, flush=True)
+    chosen = {}
+    for c in report.choices:
+        chosen[c.chosen.format] = chosen.get(c.chosen.format, 0) + 1
+
+    tuned = []
+    total = sum(p.numel() for p in model.parameters())
+    share = 0.01 if not args.smoke else 0.02
+    head = 1280 * 10 + 10
+    budget = share * total  # adapters and head together
+    for fmt in ("head only", "low_rank", "cp", "tucker2", "tt", "tr", "PEFT LoRA"):
+        net = with_head()
+        if fmt == "head only":
+            for p in net.parameters():
+                p.requires_grad_(False)
+            net.classifier[1].requires_grad_(True)
+        elif fmt == "PEFT LoRA":
+            import peft
+            names = [n for n, m in net.named_modules() if pointwise(n, m)]
+            per_rank = sum(m.in_channels + m.out_channels for n, m in net.named_modules()
+                           if pointwise(n, m))
+            r = max(1, round((budget - head) / per_rank))
+            net = peft.get_peft_model(net, peft.LoraConfig(
+                r=r, lora_alpha=r, target_modules=names, modules_to_save=["classifier.1"]))
+        else:
+            per_layer = (budget - head) / dense  # the adapters' share of the 1x1 convs
+            net, _ = tnspec.adapt(net, fmt, rank=per_layer, include=pointwise,
+                                  modules_to_save=["classifier.1"])
+        trainable = sum(p.numel() for p in net.parameters() if p.requires_grad)
+        acc, per_step = fine_tune(net, data, steps, seed=0, lr=1e-3)
+        tuned.append((fmt, f"{trainable:,} ({trainable / total:.2%})", acc,
+                      f"{1000 * per_step:.0f}"))
+        print(tuned[-1], flush=True)
+    text = ("# MobileNetV2 (ImageNet) on Fashion-MNIST\n\n"
+            f"{n_train:,} training / {n_test:,} test images at {SIZE}x{SIZE}, repeated to 3 "
+            "channels, normalized as for ImageNet.\n\n"
+            "## Frozen features, logistic-regression probe\n\n"
+            "Parameters: the 1x1 convs of the features (the layers replaced).\n\n"
+            + markdown_table(["features", "1x1 conv parameters", "probe accuracy", "seconds"],
+                             rows)
+            + "\n\ncompress chose: " + ", ".join(f"{f} x {n}" for f, n in sorted(chosen.items()))
+            + f"\n\n## Fine-tuning, {steps} steps of 32 (AdamW 1e-3), the head trained in full"
+            "\n\n" + markdown_table(["adapters on the 1x1 convs", "trainable",
+                                     "test accuracy", "ms per step"], tuned))
+    path = save("mobilenet_fashion" + ("_smoke" if args.smoke else ""), text, started)
+    print(text)
+    print(f"wrote {path}")
+
+
+def _replaced(name: str, module: nn.Module) -> bool:
+    """The modules standing where the 1x1 convs were (tnspec layers, or convs kept dense)."""
+    return name.startswith("features.") and (
+        isinstance(module, tnspec.Layer) or pointwise(name, module))
+
+
+if __name__ == "__main__":
+    main()
