@@ -131,10 +131,10 @@ def encoder_params(model: nn.Module) -> int:
                "LayerNorm" not in n)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="a tiny version (seconds)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     started = time.time()
     torch.manual_seed(0)
     model, tokenizer = assets.minilm()
@@ -190,9 +190,10 @@ def main() -> None:
             + markdown_table(["method", "budget", "parameters", "probe accuracy",
                               "cosine to original", "seconds to compress"], rows)
             + "\n\n" + "\n".join(f"- compress at {line}" for line in fits))
-    path = save("minilm_compress" + ("_smoke" if args.smoke else ""), text, started)
     print(text)
-    print(f"wrote {path}")
+    if not args.smoke:  # a smoke run writes nothing
+        print(f"wrote {save('minilm_compress', text, started)}")
+    return 0
 
 
 def _counts(report: tnspec.CompressReport) -> list[tuple[str, int]]:
@@ -203,4 +204,4 @@ def _counts(report: tnspec.CompressReport) -> list[tuple[str, int]]:
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

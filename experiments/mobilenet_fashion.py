@@ -83,10 +83,10 @@ def with_head(classes: int = 10) -> mobilenet.MobileNetV2:
     return model
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="a tiny version")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     started = time.time()
     n_train, n_test, steps = (256, 256, 4) if args.smoke else (5000, 2000, 300)
     images, labels = assets.fashion_mnist("train", n_train)
@@ -152,9 +152,10 @@ def main() -> None:
             + f"\n\n## Fine-tuning, {steps} steps of 32 (AdamW 1e-3), the head trained in full"
             "\n\n" + markdown_table(["adapters on the 1x1 convs", "trainable",
                                      "test accuracy", "ms per step"], tuned))
-    path = save("mobilenet_fashion" + ("_smoke" if args.smoke else ""), text, started)
     print(text)
-    print(f"wrote {path}")
+    if not args.smoke:  # a smoke run writes nothing
+        print(f"wrote {save('mobilenet_fashion', text, started)}")
+    return 0
 
 
 def _replaced(name: str, module: nn.Module) -> bool:
@@ -164,4 +165,4 @@ def _replaced(name: str, module: nn.Module) -> bool:
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

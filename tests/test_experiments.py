@@ -73,3 +73,18 @@ def test_training_is_reproducible_from_the_seeds():
         return train(net, data, lambda p: torch.optim.Adam(p, lr=1e-3), epochs=2, batch=64,
                      seed=3)
     assert run() == run()
+
+
+@pytest.mark.parametrize("name", ["minilm_compress", "minilm_embedding", "mobilenet_fashion"])
+def test_the_real_model_experiments_run_their_smoke_versions(name, capsys):
+    """On the real checkpoints and data, a slice; skipped where an asset is not installed."""
+    import importlib
+
+    from experiments import assets
+    module = importlib.import_module(f"experiments.{name}")
+    try:
+        assert module.main(["--smoke"]) == 0
+    except assets.Missing as exc:
+        pytest.skip(str(exc))
+    out = capsys.readouterr().out
+    assert "| original |" in out

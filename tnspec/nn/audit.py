@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 from torch import nn
@@ -74,10 +74,11 @@ class Audit:
         return ax
 
 
-def audit(model: nn.Module, x: torch.Tensor, *, backward: bool = True,
-          seed: int = 0) -> Audit:
-    """Run ``model(x)`` once (and a backward pass from a unit-variance random gradient) and
-    measure each layer's variance ratios. Layers are the modules that own parameters (directly
+def audit(model: nn.Module, x: torch.Tensor | Mapping[str, torch.Tensor], *,
+          backward: bool = True, seed: int = 0) -> Audit:
+    """Run ``model(x)`` once (``model(**x)`` for a dict, as a Hugging Face tokenizer returns
+    it) and a backward pass from a unit-variance random gradient, and measure each layer's
+    variance ratios. Layers are the modules that own parameters (directly
     or through submodules they do not call, as other libraries' factorized layers do) and have
     no called descendant that owns parameters. The global RNG (Dropout's masks are drawn from
     a copy of it), gradients, train/eval mode and buffers (BatchNorm's running statistics) are
@@ -127,18 +128,22 @@ def audit(model: nn.Module, x: torch.Tensor, *, backward: bool = True,
     for m in model.modules():
         if isinstance(m, _NORMS):
             handles.append(m.register_forward_hook(normed))
-    generator = torch.Generator(device=x.device).manual_seed(seed)
+    given = dict(x) if isinstance(x, Mapping) else {"": x}
+    first = next(iter(given.values()))
+    generator = torch.Generator(device=first.device).manual_seed(seed)
     buffers = [(b, b.clone()) for b in model.buffers()]  # BatchNorm's running statistics
-    devices = [x.device] if x.is_cuda else []
+    devices = [first.device] if first.is_cuda else []
     try:
         with torch.enable_grad(), torch.random.fork_rng(devices=devices):
-            leaf = x.detach().clone().requires_grad_(backward and x.is_floating_point())
-            inp = leaf.clone()  # not a leaf: a first layer may change it in place
-            y = _first_tensor(model(inp))
+            leaves = {k: v.detach().clone().requires_grad_(backward and v.is_floating_point())
+                      for k, v in given.items()}
+            # not leaves: a first layer may change its input in place
+            inputs = {k: v.clone() for k, v in leaves.items()}
+            y = _first_tensor(model(**inputs) if isinstance(x, Mapping) else model(inputs[""]))
             if backward and y is not None and y.requires_grad:
                 g = torch.randn(y.shape, generator=generator, device=y.device, dtype=y.dtype)
                 params = [p for p in model.parameters() if p.requires_grad]
-                wrt = ([leaf] if leaf.requires_grad else []) + params
+                wrt = [v for v in leaves.values() if v.requires_grad] + params
                 torch.autograd.grad(y, wrt, g, allow_unused=True)
     finally:
         for h in handles:
@@ -206,6 +211,8 @@ def _predicted(module: nn.Module) -> tuple[float, float] | None:
 def _first_tensor(value: Any) -> torch.Tensor | None:
     if isinstance(value, torch.Tensor):
         return value
+    if isinstance(value, Mapping):  # a Hugging Face ModelOutput: its first tensor
+        value = list(value.values())
     if isinstance(value, (tuple, list)):
         return next((v for v in value if isinstance(v, torch.Tensor)), None)
     return None

@@ -105,19 +105,20 @@ class CompressReport:
 
     def __str__(self) -> str:
         kind = "output" if self.data else "weight"
+        width = max([24, *(len(c.name) for c in self.choices)])
         lines = [f"compress: {len(self.choices)} layer(s) at budget {self.budget:.0%}: "
                  f"{self.params_before:,} -> {self.params_after:,} parameters "
                  f"({self.params_after / max(self.params_before, 1):.1%}); predicted model "
                  f"error {self.predicted_error:.4f}; {self.seconds:.0f} s",
-                 f"  {'layer':<24} {'chosen':<14} {'params':>18} {kind + ' error':>13} "
+                 f"  {'layer':<{width}} {'chosen':<14} {'params':>20} {kind + ' error':>13} "
                  f"{'sensitivity':>11} {'time':>6}"]
         for c in self.choices:
             chosen = c.chosen.format + ("" if c.chosen.format == "dense"
                                         else f" {c.chosen.share:.0%}")
             ratio = "" if c.chosen.seconds is None or not c.dense_seconds else \
                 f"{c.chosen.seconds / c.dense_seconds:.2f}x"
-            lines.append(f"  {c.name:<24} {chosen:<14} "
-                         f"{f'{c.dense_params:,} -> {c.chosen.params:,}':>18} "
+            lines.append(f"  {c.name:<{width}} {chosen:<14} "
+                         f"{f'{c.dense_params:,} -> {c.chosen.params:,}':>20} "
                          f"{c.chosen.error:>13.4f} {c.sensitivity:>11.3f} {ratio:>6}")
         for name, why in self.skipped:
             lines.append(f"  skipped {name}: {why}")
