@@ -186,7 +186,8 @@ def test_stages_import_only_what_they_need():
     assert graph["workflows.compress"] <= {"errors", "progress", "nn.formats", "nn.module",
                                            "workflows.adapted", "workflows.tensorize",
                                            "workflows.merge", "workflows.observe",
-                                           "workflows.dense_layers"}
+                                           "workflows.dense_layers", "workflows.left_alone"}
+    assert graph["workflows.left_alone"] <= {"workflows.dense_layers", "workflows.merge"}
     assert "__init__" not in set().union(*(d for m, d in graph.items() if m != "__main__"))
 
 

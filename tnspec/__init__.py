@@ -26,7 +26,7 @@ from .planning.report import explain
 from .nn import formats
 from .nn.api import compile, compile_all, contract, generate, layer
 from .nn.audit import Audit, audit
-from .nn.embedding import EmbeddingBag, embedding, embedding_bag
+from .nn.embedding import EmbeddingBag, TiedHead, embedding, embedding_bag
 from .nn.module import Layer
 from .workflows.adapted import Adapted, Saved, set_adapter
 from .workflows.adapter_state import (adapter_config, adapter_state_dict, disable_adapters,
@@ -41,7 +41,7 @@ from .workflows.tensorize import tensorize
 __all__ = [
     "AdaptReport", "Adapted", "Audit", "Backbone", "Calibration", "CompressReport", "Conv",
     "EmbeddingBag", "Index", "Layer", "Network", "Options", "Plan", "Role", "Saved", "SpecError",
-    "Tensor", "__version__", "adapt", "adapter_config", "adapter_state_dict", "audit", "backbone", "backward", "calibrate",
+    "Tensor", "TiedHead", "__version__", "adapt", "adapter_config", "adapter_state_dict", "audit", "backbone", "backward", "calibrate",
     "compile", "compile_all", "compress", "contract", "disable_adapters", "embedding",
     "embedding_bag", "explain", "formats", "generate", "layer", "load_adapters", "merge",
     "merge_adapters", "register_peft", "set_adapter", "tensorize",

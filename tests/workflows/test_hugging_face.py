@@ -71,7 +71,7 @@ def test_tensorize_replaces_gpt2s_conv1d_layers_and_leaves_the_tied_head():
     replaced = {r.name for r in report.replaced}
     assert "transformer.h.0.attn.c_attn" in replaced and "transformer.h.1.mlp.c_proj" in replaced
     assert not any(isinstance(m, Conv1D) for m in model.modules())
-    assert dict(report.skipped)["lm_head"].startswith("its parameters are shared with")
+    assert dict(report.skipped)["lm_head"] == "tied to 'transformer.wte', which stays as it is"
     assert tied(model)
     act = {r.name: r.activation for r in report.replaced}
     assert act["transformer.h.0.mlp.c_fc"] == "gelu"  # NewGELUActivation, read as GELU
@@ -218,3 +218,28 @@ def test_register_peft_adapts_gpt2s_conv1d():
     merged = model.merge_and_unload()
     assert isinstance(merged.transformer.h[0].attn.c_attn, Conv1D)
     torch.testing.assert_close(logits(merged, tokens), want, rtol=1e-4, atol=1e-4)
+
+
+def test_a_tied_embedding_and_head_share_one_tensorized_table():
+    model = gpt2()
+    tokens = ids()
+    want = logits(model, tokens)
+    model, report = tnspec.tensorize(model, "tt", rank=0.9, weights="fit",
+                                     include=["transformer.wte", "lm_head"])
+    assert [r.name for r in report.replaced] == ["transformer.wte", "lm_head"]
+    assert "lm_head: Linear(in_features=32, out_features=64, bias=False)\n      2,048 -> 0 " \
+        "params, reads the table of 'transformer.wte' (tied)" in str(report)
+    head, table = model.lm_head, model.transformer.wte
+    assert isinstance(head, tnspec.TiedHead) and head.table is table
+    x = torch.randn(2, 32)
+    torch.testing.assert_close(head(x), x @ table.dense_weight().T)  # the same cores
+    out = model(tokens).logits
+    cos = nn.functional.cosine_similarity(out.flatten(), want.flatten(), dim=0)
+    assert cos > 0.5  # fitted at 90% of a random table's parameters
+    out.square().mean().backward()  # the head's gradient reaches the embedding's cores
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in table.parameters())
+    # a head whose embedding cannot be replaced stays, tied
+    model = gpt2()
+    model, report = tnspec.tensorize(model, "low_rank", include=["transformer.wte", "lm_head"])
+    assert not report.replaced and tied(model)
+    assert dict(report.skipped)["lm_head"] == "tied to 'transformer.wte', which stays as it is"

@@ -19,7 +19,7 @@ from ..errors import SpecError
 from ..language.settings import positive_int
 from .formats import NAMES, Format
 
-__all__ = ["EMBEDDING_FORMATS", "EmbeddingBag", "embedding", "embedding_bag",
+__all__ = ["EMBEDDING_FORMATS", "EmbeddingBag", "TiedHead", "embedding", "embedding_bag",
            "embedding_format"]
 
 #: the named formats, each as the cores over modes v_k, d_k and ranks r_k (n modes)
@@ -255,6 +255,31 @@ class EmbeddingBag(nn.Module):
 
     def extra_repr(self) -> str:
         return f"mode={self.mode!r}"
+
+
+class TiedHead(nn.Module):
+    """A language model's output projection tied to a tensorized embedding ``table``: logits
+    ``x @ table^T + bias``, read from the very cores the embedding looks its rows up in (as a
+    dense head and embedding share one weight). The table is formed once per call."""
+
+    def __init__(self, table: nn.Module, bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.table = table  # the embedding's module: its cores are this head's parameters
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(),
+                                                           requires_grad=bias.requires_grad)
+        self.in_features, self.out_features = table.embedding_dim, table.num_embeddings
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The ``(num_embeddings, embedding_dim)`` table, as the tied dense weight was."""
+        return self.table.dense_weight()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(x, self.table.dense_weight(), self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, " \
+            f"bias={self.bias is not None}"
 
 
 def embedding_bag(fmt: str, num_embeddings: int, embedding_dim: int, *, mode: str = "mean",

@@ -35,8 +35,8 @@ from ..nn.module import Layer
 from .adapted import Adapted, Saved, inside_adapted, set_adapter
 from .dense_layers import check_forward, features, is_dense, is_linear, kind_names, weight_of
 from .merge import parameter_holders, set_submodule
-from .tensorize import (Selector, TensorizedConv, TensorizedLinear, _read_directly, _selected,
-                        first_skipped)
+from .left_alone import read_directly
+from .tensorize import Selector, TensorizedConv, TensorizedLinear, _selected, first_skipped
 
 Fmt = str | formats.Format | Network
 
@@ -149,7 +149,7 @@ def adapt(model: nn.Module, fmt: Fmt = "low_rank", *, rank: int | float | None =
         formats.check_rank(rank)
     to_save = _to_save(model, modules_to_save, name)
     adapted, skipped, wrapped = [], [], {}
-    left_alone = _read_directly(model)
+    left_alone = read_directly(model)
     holders = parameter_holders(model)
     inside = inside_adapted(model)  # an adapter's own layers, a base: not adapted again
     root = None

@@ -40,8 +40,8 @@ from . import observe
 from .adapted import adapted_parts
 from .merge import set_submodule
 from .dense_layers import check_forward, is_dense, never_replaced, weight_of
-from .tensorize import (Selector, _keep_state, _read_directly, _replacement, _selected, _tied,
-                        first_skipped)
+from .left_alone import read_directly, tied
+from .tensorize import Selector, _keep_state, _replacement, _selected, first_skipped
 
 FORMATS = ("low_rank", "cp", "tucker2", "tt", "tr")  # the cheaper fits first
 SHARES = (0.05, 0.1, 0.2, 0.35, 0.5, 0.75)
@@ -208,7 +208,7 @@ def compress(model: nn.Module, budget: float = 0.25, formats: Sequence[str] = FO
                         hint=f"the options are {', '.join(FIT)}")
     options = {**FIT, **dict(fit or {})}
     other = never_replaced(model)
-    left_alone = {**_read_directly(model), **_tied(model), **adapted_parts(model)}
+    left_alone = {**read_directly(model), **tied(model), **adapted_parts(model)}
     layers, skipped = [], []
     for name, module in model.named_modules():
         if not is_dense(module) or isinstance(module, Layer) or \

@@ -19,14 +19,15 @@ from ..progress import Progress
 from ..fit import decompose
 from ..nn import formats, layout
 from ..nn.api import _with_options, compile
-from ..nn.embedding import replacing
+from ..nn.embedding import TiedHead, replacing
 from ..nn.layout import LayoutChoice
 from ..nn.module import Layer
 from .activations import following_activations
 from .adapted import adapted_parts
 from .dense_layers import (check_forward, features, is_dense, is_linear, never_replaced,
                            weight_of)
-from .merge import parameter_holders, set_submodule
+from .left_alone import read_directly, tied, tied_heads
+from .merge import set_submodule
 
 Selector = str | Sequence[str] | Callable[[str, nn.Module], bool] | None
 
@@ -84,8 +85,9 @@ class Report:
             lines.append(f"  {r.name}: {r.before}")
             how = (f"init for {r.activation} ({r.activation_from})" if r.fit_error is None
                    else f"fitted to its weights, relative error {r.fit_error:.4f}")
-            lines.append(f"      {r.params_before:,} -> {r.params_after:,} params, {how}")
-            if r.note:
+            lines.append(f"      {r.params_before:,} -> {r.params_after:,} params, "
+                         f"{r.note if r.activation_from == 'tied' else how}")
+            if r.note and r.activation_from != "tied":
                 lines.append(f"      {r.note}")
         groups: dict[tuple[str, str], list[str]] = {}
         for (name, why), kind in zip(self.skipped,
@@ -128,6 +130,11 @@ def tensorize(model: nn.Module, format: str = "tucker2", *, rank: int | float = 
     whose goal is reached only with as many parameters as the dense one, or not at all, stays
     dense, and the report says so.
 
+    A language model's head tied to its token embedding (an ``nn.Linear`` holding the
+    ``nn.Embedding``'s weight), both selected, stays tied: the embedding becomes a tensorized
+    table and the head a :class:`~tnspec.nn.embedding.TiedHead` reading the same cores.
+    Other tied layers are left alone, and the report says so.
+
     ``memory_format`` lays out the whole model when it is done: ``torch.channels_last`` (or
     ``channels_last_3d``, ``contiguous_format``) converts every 4-D (5-D) parameter and buffer;
     ``"auto"`` times a training step on ``example`` (an input batch or its shape) as the model
@@ -166,7 +173,12 @@ def tensorize(model: nn.Module, format: str = "tucker2", *, rank: int | float = 
     before = sum(p.numel() for p in model.parameters())
     following = following_activations(model)
     # {layer name: why}
-    left_alone = {**_read_directly(model), **_tied(model), **adapted_parts(model)}
+    left_alone = {**read_directly(model), **tied(model), **adapted_parts(model)}
+    # a head tied to its token embedding, both selected: the head reads the new table
+    heads = {h: e for h, e in tied_heads(model).items()
+             if all(_selected(n, model.get_submodule(n), include, exclude) for n in (h, e))}
+    for name in (*heads, *heads.values()):
+        left_alone.pop(name, None)
     replaced, skipped, kinds = [], [], []
     other = never_replaced(model, embeddings=True)
     progress = Progress("tensorize")  # a line per layer where a person watches
@@ -190,7 +202,7 @@ def tensorize(model: nn.Module, format: str = "tucker2", *, rank: int | float = 
             continue
         if not is_dense(module) or isinstance(module, Layer):
             continue
-        if not _selected(name, module, include, exclude):
+        if not _selected(name, module, include, exclude) or name in heads:
             continue
         act, source = (activation, "given") if activation is not None else \
             following.get(name, ("linear", "no activation found after it"))
@@ -224,10 +236,27 @@ def tensorize(model: nn.Module, format: str = "tucker2", *, rank: int | float = 
         progress.line(f"{name}: {type(module).__name__} -> {format}"
                       + ("" if fit_error is None else f", fit error {fit_error:.4f}")
                       + f" ({time.monotonic() - progress.start:.0f} s so far)")
+    for head, table in heads.items():
+        _tie(model, head, table, replaced, skipped, kinds)
     after = sum(p.numel() for p in model.parameters())
     chosen = layout.apply(model, layout_asked, example)
     return model, Report(format, tuple(replaced), tuple(skipped), before, after, tuple(kinds),
                          other, chosen)
+
+
+def _tie(model: nn.Module, head: str, table: str, replaced: list, skipped: list,
+         kinds: list) -> None:
+    """The tied ``head`` reads the tensorized embedding ``table`` replaced (a
+    :class:`TiedHead`), so that the two stay one; where the embedding stayed, so does it."""
+    old, new = model.get_submodule(head), model.get_submodule(table)
+    if not isinstance(new, Layer):
+        skipped.append((head, f"tied to {table!r}, which stays as it is"))
+        kinds.append(type(old).__name__)
+        return
+    set_submodule(model, head, TiedHead(new, old.bias))
+    replaced.append(Replacement(head, repr(old), new.spec, old.weight.numel() + (
+        0 if old.bias is None else old.bias.numel()), 0 if old.bias is None else
+        old.bias.numel(), "linear", "tied", note=f"reads the table of {table!r} (tied)"))
 
 
 def first_skipped(skipped: Sequence[tuple[str, str]]) -> str:
@@ -244,33 +273,6 @@ def _ratio(before: int, after: int) -> str:
     if after < before:
         return f"{before / max(after, 1):.1f}x fewer"
     return f"{after / max(before, 1):.1f}x more"
-
-
-def _tied(model: nn.Module) -> dict[str, str]:
-    """``{layer name: why}`` for the modules whose parameters are shared with another module,
-    or that are registered under two names: replacing one would untie them."""
-    tied: dict[str, str] = {}
-    for holders in parameter_holders(model).values():
-        unique = list(dict.fromkeys(name for name, _ in holders))
-        for name in unique:
-            others = [n for n in unique if n != name]
-            if others:
-                tied[name] = (f"its parameters are shared with {others[0]!r} (tied weights); "
-                              "left alone so that they stay tied")
-    return tied
-
-
-def _read_directly(model: nn.Module) -> dict[str, str]:
-    """``{layer name: why}`` for the layers whose weight their parent reads itself:
-    ``nn.TransformerEncoderLayer``/``DecoderLayer``'s feed-forward (their eval fast path)."""
-    found = {}
-    for name, module in model.named_modules():
-        if isinstance(module, (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)):
-            for child in ("linear1", "linear2"):
-                found[f"{name}.{child}" if name else child] = (
-                    f"{type(module).__name__} reads this layer's weight directly (its fast "
-                    "path in eval mode)")
-    return found
 
 
 def _keep_state(old: nn.Module, new: nn.Module) -> None:
