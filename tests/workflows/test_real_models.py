@@ -104,7 +104,9 @@ def test_mobilenet_v2_loads_imagenet_weights_and_compresses_its_1x1_convs():
     x = mobilenet.fashion_inputs(images, size=64)
     with torch.no_grad():
         want = model.embed(x)
-    last = lambda name, m: name.startswith("features.17") and m.kernel_size == (1, 1)  # noqa: E731
+
+    def last(name: str, m: nn.Module) -> bool:
+        return name.startswith("features.17") and m.kernel_size == (1, 1)
     small, report = tnspec.compress(copy.deepcopy(model), 0.5, data=[x[:8], x[8:]],
                                     include=last, formats=("low_rank", "tucker2"),
                                     shares=(0.25, 0.5))

@@ -227,18 +227,19 @@ def _to_save(model: nn.Module, selector: Selector, name: str) -> list[tuple[str,
     a SpecError where it selects none, or one the copy cannot be made of."""
     if selector is None:
         return []
-    given = selector
-    if isinstance(selector, str):
-        selector = [selector]
-    if not callable(selector):
-        patterns = list(selector)
-        selector = lambda path, module: any(  # noqa: E731 - PEFT's rule: a suffix matches
-            _selected(path, module, p, None) or path.endswith("." + p) for p in patterns)
+    patterns = [selector] if isinstance(selector, str) else \
+        None if callable(selector) else list(selector)
+
+    def chosen(path: str, module: nn.Module) -> bool:  # PEFT's rule: a suffix matches too
+        if patterns is None:
+            return bool(selector(path, module))
+        return any(_selected(path, module, p, None) or path.endswith("." + p)
+                   for p in patterns)
     inside = inside_adapted(model)
     found: list[tuple[str, nn.Module]] = []
     for path, module in model.named_modules():
         if not path or any(path.startswith(p + ".") for p, _ in found) or \
-                not selector(path, module):
+                not chosen(path, module):
             continue
         if id(module) in inside and not isinstance(module, Saved):
             raise SpecError(f"modules_to_save: {path!r} is inside the adapted module "
@@ -249,7 +250,7 @@ def _to_save(model: nn.Module, selector: Selector, name: str) -> list[tuple[str,
                             "already", hint="give another name=, or merge_adapters first")
         found.append((path, module))
     if not found:
-        raise SpecError(f"modules_to_save={given!r} selects no module of the model",
+        raise SpecError(f"modules_to_save={selector!r} selects no module of the model",
                         hint="give module names as model.named_modules() lists them")
     return found
 

@@ -31,9 +31,9 @@ def register_peft(config: Any, fmt: str = "tt", *, scale: float = 1.0,
                   **options: Any) -> Any:
     """Register tnspec adapters of format ``fmt`` (a name of :data:`tnspec.formats.NAMES`,
     with ``options`` for :func:`tnspec.formats.build`) in the PEFT ``LoraConfig`` ``config``
-    for ``nn.Linear``, ``nn.Conv1d/2d/3d`` and ``Conv1D``; ``config.r`` (or its ``rank_pattern``) is the
-    rank, ``scale`` the adapter's variance as a share of the base layer's. Returns
-    ``config``."""
+    for ``nn.Linear``, ``nn.Conv1d/2d/3d`` and ``Conv1D``; ``config.r`` (or its
+    ``rank_pattern``) is the rank, ``scale`` the adapter's variance as a share of the base
+    layer's. Returns ``config``."""
     cls = _layer_class(fmt, scale, dict(options))
     # after _layer_class, which imports peft and with it transformers' Conv1D
     config._register_custom_module({kind: cls for kind in (*linear_kinds(), *CONVS)})

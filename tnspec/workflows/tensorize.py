@@ -1,7 +1,8 @@
 """``tnspec.tensorize``: replace the ``nn.Conv1d/2d/3d`` and linear layers (``nn.Linear``,
-Hugging Face's ``Conv1D``) of an existing model by tensorial layers of a named format, either freshly initialized for the activation that
-follows them (Graph-in by default) or fitted to the trained weights they replace
-(``weights="fit"``). ``tnspec.merge`` (``tnspec.workflows.merge``) is the way back.
+Hugging Face's ``Conv1D``) of an existing model by tensorial layers of a named format, either
+freshly initialized for the activation that follows them (Graph-in by default) or fitted to the
+trained weights they replace (``weights="fit"``). ``tnspec.merge`` (``tnspec.workflows.merge``)
+is the way back.
 """
 
 from __future__ import annotations
