@@ -174,8 +174,8 @@ def compress(model: nn.Module, budget: float = 0.25, formats: Sequence[str] = FO
     (eval mode, no grad) to record what reaches each layer; each candidate is then fitted to
     the layer's outputs, and each layer's sensitivity measured. ``fit``: options of
     :meth:`Layer.fit_` (by default one start, no hops, at most 30 sweeps stopping at a gain
-    under 0.01%, 10 s a fit; with ``data``, 5 ALS sweeps before the refit, ``sweeps`` of :func:`tnspec.fit.decompose.fit`). ``latency=True``
-    (needs ``data``) times every candidate and the dense layer, forward and backward, on the
+    under 0.01%, 10 s a fit; with ``data``, 5 ALS sweeps before the refit, ``sweeps`` of
+    :func:`tnspec.fit.decompose.fit`). ``latency=True`` (needs ``data``) times every candidate and the dense layer, forward and backward, on the
     input shape the layer saw, and drops candidates slower than dense; ``timer(module,
     shape) -> seconds`` replaces that timing. ``max_seconds`` bounds the whole call: the
     formats are fitted one after the other over all layers, cheapest first, and the candidates
