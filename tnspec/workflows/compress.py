@@ -170,20 +170,20 @@ def compress(model: nn.Module, budget: float = 0.25, formats: Sequence[str] = FO
     ``data``: what the model is fed: a tensor, a dict, or an iterable of batches, each a tensor
     (``model(x)``), a tuple (``model(*batch)``) or a dict (``model(**batch)``, as a Hugging Face
     tokenizer returns it); ``run(model, batch)`` feeds any other kind (an ``(inputs, labels)``
-    pair: ``run=lambda model, batch: model(batch[0])``). At most ``max_batches`` are run
-    (eval mode, no grad) to record what reaches each layer; each candidate is then fitted to
-    the layer's outputs, and each layer's sensitivity measured. ``fit``: options of
+    pair: ``run=lambda model, batch: model(batch[0])``). At most ``max_batches`` are run (eval
+    mode, no grad) to record what reaches each layer; each candidate is then fitted to the
+    layer's outputs, and each layer's sensitivity measured. ``fit``: options of
     :meth:`Layer.fit_` (by default one start, no hops, at most 30 sweeps stopping at a gain
     under 0.01%, 10 s a fit; with ``data``, 5 ALS sweeps before the refit, ``sweeps`` of
-    :func:`tnspec.fit.decompose.fit`). ``latency=True`` (needs ``data``) times every candidate and the dense layer, forward and backward, on the
-    input shape the layer saw, and drops candidates slower than dense; ``timer(module,
-    shape) -> seconds`` replaces that timing. ``max_seconds`` bounds the whole call: the
-    formats are fitted one after the other over all layers, cheapest first, and the candidates
-    left when the time is spent are not fitted (the report says how many). ``prune``: a
-    format whose candidates at a layer's two smallest shares are each beaten (another format's
-    candidate has no more parameters and no larger error) is not fitted at that layer's larger
-    shares: on MiniLM's linear layers the order of the formats held at every share (low-rank
-    first), and the fits it saves are the slowest (tensor rings).
+    :func:`tnspec.fit.decompose.fit`). ``latency=True`` (needs ``data``) times every candidate
+    and the dense layer, forward and backward, on the input shape the layer saw, and drops
+    candidates slower than dense; ``timer(module, shape) -> seconds`` replaces that timing.
+    ``max_seconds`` bounds the whole call: the formats are fitted one after the other over all
+    layers, cheapest first, and the candidates left when the time is spent are not fitted (the
+    report says how many). ``prune``: a format whose candidates at a layer's two smallest shares
+    are each beaten (another format's candidate has no more parameters and no larger error) is
+    not fitted at that layer's larger shares: on MiniLM's linear layers the order of the formats
+    held at every share (low-rank first), and the fits it saves are the slowest (tensor rings).
 
     Returns ``(model, report)``; ``print(report)`` shows a row per layer, ``report.plot()``
     the candidates. Nothing in the model changes until every fit is done: an error or Ctrl-C
