@@ -181,8 +181,8 @@ def compress(model: nn.Module, budget: float = 0.25, formats: Sequence[str] = FO
     ``max_seconds`` bounds the whole call: the formats are fitted one after the other over all
     layers, cheapest first, and the candidates left when the time is spent are not fitted (the
     report says how many). ``prune``: a format whose candidates at a layer's two smallest shares
-    are each beaten (another format's candidate has no more parameters and no larger error) is
-    not fitted at that layer's larger shares: on MiniLM's linear layers the order of the formats
+    are each beaten (another format's candidate at that share has no larger error) is not
+    fitted at that layer's larger shares: on MiniLM's linear layers the order of the formats
     held at every share (low-rank first), and the fits it saves are the slowest (tensor rings).
 
     Returns ``(model, report)``; ``print(report)`` shows a row per layer, ``report.plot()``
