@@ -115,11 +115,26 @@ def second_moments(model: nn.Module, batches: list[dict]) -> dict[str, torch.Ten
 
 def tensorly_tucker(model: nn.Module, budget: float) -> nn.Module:
     """Every encoder linear layer as TensorLy-Torch's ``FactorizedLinear`` (Tucker, modes
-    chosen by TensorLy-Torch), fitted to its weight at ``budget`` of its parameters."""
+    chosen by TensorLy-Torch), fitted to its weight, at ``budget`` of its parameters: its
+    ``rank`` share (of the tensorized weight's parameters, which is not the layer's) found by
+    bisection so that the parameters, bias included, come nearest the budget (TensorLy-Torch's
+    Tucker ranks move the count in steps of up to a third)."""
     import tltorch
     model = copy.deepcopy(model)
     for name, lin in linears(model):
-        new = tltorch.FactorizedLinear.from_linear(lin, rank=budget, factorization="tucker",
+        shape = tltorch.FactorizedLinear.from_linear(lin, rank=budget, factorization="tucker",
+                                                     implementation="factorized")
+        target = budget * sum(p.numel() for p in lin.parameters())
+        def size(rank: float) -> int:
+            return sum(p.numel() for p in tltorch.FactorizedLinear(
+                shape.in_tensorized_features, shape.out_tensorized_features, rank=rank,
+                factorization="tucker").parameters())
+        low, high = 0.0, 1.0
+        for _ in range(12):
+            rank = (low + high) / 2
+            low, high = (rank, high) if size(rank) <= target else (low, rank)
+        best = min((low, high), key=lambda r: abs(size(r) - target))  # nearest, either side
+        new = tltorch.FactorizedLinear.from_linear(lin, rank=best, factorization="tucker",
                                                    implementation="factorized")
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent), child, new)
