@@ -243,3 +243,15 @@ def test_a_tied_embedding_and_head_share_one_tensorized_table():
     model, report = tnspec.tensorize(model, "low_rank", include=["transformer.wte", "lm_head"])
     assert not report.replaced and tied(model)
     assert dict(report.skipped)["lm_head"] == "tied to 'transformer.wte', which stays as it is"
+
+
+def test_a_saved_module_pickles_and_forwards_only_what_it_lacks():
+    import pickle
+    saved = tnspec.Saved(nn.Linear(3, 2))
+    saved.add("a")
+    saved.active = "a"
+    again = pickle.loads(pickle.dumps(saved))
+    assert again.out_features == 2 and again.active == "a" and again.running() is \
+        again.copies["a"]
+    with pytest.raises(AttributeError):
+        again.no_such_attribute

@@ -114,3 +114,22 @@ def test_mobilenet_v2_loads_imagenet_weights_and_compresses_its_1x1_convs():
     with torch.no_grad():
         got = small.embed(x)
     assert nn.functional.cosine_similarity(got, want).mean() > 0.95
+
+
+def test_tensorize_merge_and_audit_minilm(minilm, snippets):
+    model, tokenizer = minilm
+    texts, _ = snippets
+    batch = dict(tokenizer(texts[:4], padding=True, return_tensors="pt"))
+    want = pooled(model, batch)
+    small, report = tnspec.tensorize(copy.deepcopy(model), "low_rank", rank=0.75,
+                                     weights="fit", include="encoder.layer.0.*")
+    assert len(report.replaced) == 6
+    assert {r.activation for r in report.replaced
+            if r.name.endswith("intermediate.dense")} == {"gelu"}  # GELUActivation, read
+    got = pooled(small, batch)
+    assert nn.functional.cosine_similarity(got, want).mean() > 0.9
+    merged = tnspec.merge(small)
+    assert isinstance(merged.encoder.layer[0].intermediate.dense, nn.Linear)
+    torch.testing.assert_close(pooled(merged, batch), got, rtol=1e-4, atol=1e-4)
+    rows = {r["name"]: r for r in tnspec.audit(model, batch).rows}
+    assert rows["encoder.layer.0.intermediate.dense"]["backward"] > 0

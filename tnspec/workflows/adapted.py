@@ -98,7 +98,9 @@ class Saved(nn.Module):
         try:
             return super().__getattr__(name)
         except AttributeError:
-            if name in ("original", "copies", "_modules"):
+            # its own attributes, and any private one, are never forwarded: while a copy is
+            # being unpickled they are missing, and forwarding them would recurse
+            if name.startswith("_") or name in ("original", "copies", "active", "disabled"):
                 raise
             return getattr(self.running(), name)
 
