@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     model, tokenizer = assets.minilm()
     texts, labels = assets.rotten_tomatoes()
     order = torch.randperm(len(texts), generator=torch.Generator().manual_seed(0))
-    n_train, n_test = (200, 200) if args.smoke else (3000, 3000)
+    n_train, n_test = (64, 64) if args.smoke else (2000, 2000)
     train_idx, test_idx = order[:n_train], order[n_train:n_train + n_test]
     train_texts, test_texts = [texts[i] for i in train_idx], [texts[i] for i in test_idx]
     y_train, y_test = labels[train_idx], labels[test_idx]
@@ -80,8 +80,8 @@ def main(argv: list[str] | None = None) -> int:
 
     acc, _ = measure(model)
     rows = [("original", "1x", f"{dense:,}", "-", acc, 1.0, "-")]
-    ratios = (30,) if args.smoke else RATIOS
-    fit = {"max_seconds": 20 if args.smoke else 300, "hops": 0, "starts": 1}
+    ratios = (100,) if args.smoke else RATIOS
+    fit = {"max_seconds": 5 if args.smoke else 120, "hops": 0, "starts": 1}
     for ratio in ratios:
         for fmt in ("tt", "tr", "svd"):
             t = time.time()

@@ -33,17 +33,18 @@ from .workflows.adapter_state import (adapter_config, adapter_state_dict, disabl
                                       load_adapters, merge_adapters)
 from .workflows.adapters import AdaptReport, adapt
 from .workflows.compress import CompressReport, compress
+from .workflows.lora_export import LoraExport, export_lora
 from .workflows.merge import merge
 from .workflows.peft_bridge import register_peft
 from .workflows.tensorize import tensorize
 
 
 __all__ = [
-    "AdaptReport", "Adapted", "Audit", "Backbone", "Calibration", "CompressReport", "Conv",
-    "EmbeddingBag", "Index", "Layer", "Network", "Options", "Plan", "Role", "Saved", "SpecError",
-    "Tensor", "TiedHead", "__version__", "adapt", "adapter_config", "adapter_state_dict",
-    "audit", "backbone", "backward", "calibrate",
+    "__version__", "Adapted", "AdaptReport", "Audit", "Backbone", "Calibration",
+    "CompressReport", "Conv", "EmbeddingBag", "Index", "Layer", "LoraExport", "Network",
+    "Options", "Plan", "Role", "Saved", "SpecError", "Tensor", "TiedHead", "adapt",
+    "adapter_config", "adapter_state_dict", "audit", "backbone", "backward", "calibrate",
     "compile", "compile_all", "compress", "contract", "disable_adapters", "embedding",
-    "embedding_bag", "explain", "formats", "generate", "layer", "load_adapters", "merge",
-    "merge_adapters", "register_peft", "set_adapter", "tensorize",
+    "embedding_bag", "explain", "export_lora", "formats", "generate", "layer", "load_adapters",
+    "merge", "merge_adapters", "register_peft", "set_adapter", "tensorize",
 ]
