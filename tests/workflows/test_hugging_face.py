@@ -76,7 +76,11 @@ def test_tensorize_replaces_gpt2s_conv1d_layers_and_leaves_the_tied_head():
     act = {r.name: r.activation for r in report.replaced}
     assert act["transformer.h.0.mlp.c_fc"] == "gelu"  # NewGELUActivation, read as GELU
     assert act["transformer.h.0.attn.c_attn"] == "linear"
-    assert logits(model, ids()).shape == (3, 9, 64)
+    want = logits(model, ids())
+    assert want.shape == (3, 9, 64)
+    merged = tnspec.merge(model)  # nn.Linear where Conv1D was: the same function
+    assert isinstance(merged.transformer.h[0].attn.c_attn, nn.Linear) and tied(merged)
+    torch.testing.assert_close(logits(merged, ids()), want, rtol=1e-4, atol=1e-4)
 
 
 def test_a_fitted_conv1d_is_fitted_to_its_weight_not_its_transpose():
