@@ -34,7 +34,7 @@ def svd_table(model: nn.Module, ratio: float) -> nn.Module:
     model = copy.deepcopy(model)
     table = model.get_submodule(TABLE)
     w = table.weight.detach().double()
-    rank = max(1, int(w.numel() / ratio // sum(w.shape)))
+    rank = max(1, round(w.numel() / ratio / sum(w.shape)))
     u, s, vh = torch.linalg.svd(w, full_matrices=False)
 
     class LowRankEmbedding(nn.Module):

@@ -75,9 +75,13 @@ def test_training_is_reproducible_from_the_seeds():
     assert run() == run()
 
 
-@pytest.mark.parametrize("name", ["minilm_compress", "minilm_embedding", "mobilenet_fashion"])
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["minilm_compress", "minilm_embedding", "mobilenet_fashion",
+                                  "minilm_adapters"])
 def test_the_real_model_experiments_run_their_smoke_versions(name, capsys):
-    """On the real checkpoints and data, a slice; skipped where an asset is not installed."""
+    """On the real checkpoints and data, a slice (about a minute each: ``--runslow``); skipped
+    where an asset is not installed. tests/workflows/test_real_models.py runs the workflows
+    themselves on those assets in the default suite."""
     import importlib
 
     from experiments import assets
