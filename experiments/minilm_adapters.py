@@ -3,7 +3,7 @@ linear layer of the encoder and a new linear head on the mean-pooled embedding (
 full): tnspec's low_rank, cp, tucker2, tt and tr against PEFT's LoRA, LoHa and LoKr, at about the
 same trainable parameters, on the same batches, one learning rate (AdamW 1e-3), 3 seeds.
 
-    python -m experiments.minilm_adapters            # ~30 min on 2 cores
+    python -m experiments.minilm_adapters            # ~25 min on 2 cores
     python -m experiments.minilm_adapters --smoke
 """
 
@@ -97,12 +97,16 @@ def run(model: nn.Module, batches: list[dict], test: list[dict], y_test: torch.T
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="a tiny version")
+    parser.add_argument("--seeds", type=int, default=3, help="how many seeds (3)")
+    parser.add_argument("--steps", type=int, default=150, help="training steps (150)")
+    parser.add_argument("--test", type=int, default=1000, help="held-out snippets (1000)")
     args = parser.parse_args(argv)
     started = time.time()
     encoder, tokenizer = assets.minilm()
     texts, labels = assets.rotten_tomatoes()
     order = torch.randperm(len(texts), generator=torch.Generator().manual_seed(0))
-    steps, n_test, seeds = (2, 32, (0,)) if args.smoke else (200, 1000, (0, 1, 2))
+    steps, n_test, seeds = (2, 32, (0,)) if args.smoke else \
+        (args.steps, args.test, tuple(range(args.seeds)))
     methods = ("tt", "LoRA") if args.smoke else (*TNSPEC, *PEFT)
     test_idx = order[:n_test]
 
