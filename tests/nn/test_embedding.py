@@ -222,12 +222,19 @@ def test_tensorize_fit_and_merge_round_trip():
     torch.testing.assert_close(merged["bag"](idx), before[1])
 
 
-def test_tensorize_leaves_an_embedding_tied_to_its_head():
+def test_tensorize_keeps_an_embedding_tied_to_its_head():
     emb, head = nn.Embedding(100, 8), nn.Linear(8, 100, bias=False)
     head.weight = emb.weight
     model = nn.Sequential(emb, head)
     _, report = tnspec.tensorize(model, "tt", rank=2)
-    assert type(model[0]) is nn.Embedding
+    assert isinstance(model[1], tnspec.TiedHead) and model[1].table is model[0]
+    assert not report.skipped
+    # tied to another module as well: left alone, the tie kept
+    emb, head, other = nn.Embedding(100, 8), nn.Linear(8, 100, bias=False), nn.Embedding(100, 8)
+    head.weight = other.weight = emb.weight
+    model = nn.Sequential(emb, head, other)
+    _, report = tnspec.tensorize(model, "tt", rank=2)
+    assert type(model[0]) is nn.Embedding and model[1].weight is model[0].weight
     assert any(name == "0" for name, _ in report.skipped)
 
 
