@@ -298,9 +298,11 @@ def test_bad_arguments_are_clear_errors():
         tnspec.load_adapters(nn.Sequential(), state, config)
     with pytest.raises(tnspec.SpecError, match="in_features 4 where the layer has 5"):
         tnspec.load_adapters(nn.Sequential(nn.Linear(5, 4)), state, config)
+    fresh = nn.Sequential(nn.Linear(4, 4))
+    before = snapshot(fresh)
     with pytest.raises(tnspec.SpecError, match=r"tensors no adapter uses: 'extra'"):
-        tnspec.load_adapters(nn.Sequential(nn.Linear(4, 4)), {**state, "extra": torch.ones(1)},
-                             config)
+        tnspec.load_adapters(fresh, {**state, "extra": torch.ones(1)}, config)
+    assert unchanged(before, fresh)
 
 
 @pytest.mark.parametrize("name", ["train", "eval", "type", "keys"])

@@ -15,6 +15,8 @@ from torch import nn
 import tnspec
 from tnspec.workflows.dense_layers import weight_of
 
+from ..model_state import snapshot, unchanged
+
 transformers = pytest.importorskip("transformers")
 Conv1D = transformers.pytorch_utils.Conv1D
 
@@ -152,10 +154,12 @@ def test_compress_feeds_tuples_dicts_or_run_and_says_what_a_batch_cannot_be():
         _, report = tnspec.compress(copy.deepcopy(model), 0.5, data=data, run=run,
                                     include="encoder.*", shares=(0.5,), formats=("low_rank",))
         assert report.data
+    before = snapshot(model)
     with pytest.raises(tnspec.SpecError, match=r"(?s)does not take a batch of data= as "
                                                r"model\(\*batch\).*run=lambda model, batch"):
-        tnspec.compress(copy.deepcopy(model), 0.5, data=[(tokens, mask, mask, mask, mask, mask,
-                                                          mask, mask, mask, 1)])
+        tnspec.compress(model, 0.5, data=[(tokens, mask, mask, mask, mask, mask, mask, mask,
+                                           mask, 1)])
+    assert unchanged(before, model)  # hooks gone, modes restored, nothing replaced
     with pytest.raises(tnspec.SpecError, match="a batch of data= is a str"):
         tnspec.compress(copy.deepcopy(model), 0.5, data=["some text"])
     with pytest.raises(tnspec.SpecError, match="run= needs data="):
@@ -202,11 +206,10 @@ def test_adapt_bert_with_a_head_trained_in_full():
 
 def test_modules_to_save_that_selects_nothing_changes_nothing():
     model = bert(labels=2)
-    before = copy.deepcopy(model.state_dict())
+    before = snapshot(model)  # structure, values, requires_grad, ties
     with pytest.raises(tnspec.SpecError, match=r"modules_to_save=\['head'\] selects no module"):
         tnspec.adapt(model, "cp", rank=2, modules_to_save=["head"])
-    assert not any(isinstance(m, tnspec.Adapted) for m in model.modules())
-    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+    assert unchanged(before, model)
 
 
 def test_register_peft_adapts_gpt2s_conv1d():
