@@ -238,6 +238,21 @@ def test_tensorize_keeps_an_embedding_tied_to_its_head():
     assert any(name == "0" for name, _ in report.skipped)
 
 
+def test_merge_gives_a_tied_head_back_as_a_linear_tied_to_the_merged_table():
+    emb, head = nn.Embedding(100, 8), nn.Linear(8, 100, bias=True)
+    head.weight = emb.weight
+    model = nn.Sequential(emb, nn.Tanh(), head)
+    tnspec.tensorize(model, "tt", rank=2)
+    with torch.no_grad():
+        model[2].bias.normal_()
+    idx = torch.randint(0, 100, (4, 3))
+    want = model(idx)
+    merged = tnspec.merge(model)
+    assert type(merged[0]) is nn.Embedding and type(merged[2]) is nn.Linear
+    assert merged[2].weight is merged[0].weight
+    torch.testing.assert_close(merged(idx), want)
+
+
 def test_generated_module_equals_inline_and_scripts_and_exports(tmp_path):
     text = ("layer emb(v0=8, v1=9, v2=10, d0=2, d1=3, d2=4, r=3, q=2) {\n  padding_idx: 5\n"
             "  x[b] in (v0 v1 v2), A[v0, d0, r], B[r, v1, d1, q], C[q, v2, d2] "

@@ -190,6 +190,9 @@ class Workflows(RuleBasedStateMachine):
             return
         embed = getattr(self.model, "embed", None)
         weight = getattr(embed, "weight", None)
+        if not isinstance(weight, torch.Tensor):  # tensorized, its head reading the new table
+            self.embedding = None
+            return
         tied = any(p is weight for m in self.model.modules() if m is not embed
                    for p in m._parameters.values())
         if not tied:

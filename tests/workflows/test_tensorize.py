@@ -99,6 +99,42 @@ def test_the_activation_after_each_layer_is_read_from_the_model():
     assert {r.activation_from for r in report.replaced} == {"given"}
 
 
+class WithConstant(nn.Module):
+    """A tensor made in forward, which fx stores as ``_tensor_constant0`` on what it traces."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.a(x) * torch.tensor(2.0))
+
+
+class TiedLM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.mid = nn.Embedding(12, 8), nn.Linear(8, 8)
+        self.head = nn.Linear(8, 12, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.mid(self.embed(ids))))
+
+
+def test_reading_the_activations_adds_nothing_to_the_model():
+    """fx leaves ``_tensor_constant0`` on a traced module, a tensor deepcopy refuses once
+    autograd made it a non-leaf: tracing restores every module's attributes."""
+    model = nn.Sequential(WithConstant(), nn.Linear(4, 2))
+    before = [set(vars(model)), set(vars(model[0]))]
+    new, report = tnspec.tensorize(model, "cp", rank=0.5)
+    assert {r.name: r.activation for r in report.replaced}["0.a"] == "linear"
+    assert [set(vars(new)), set(vars(new[0]))] == before
+    copy.deepcopy(new)
+    tied, _ = tnspec.tensorize(TiedLM(), "cp", rank=0.5)
+    tnspec.tensorize(tied, "tucker2", rank=0.5)  # traces the tensorized table's head
+    copy.deepcopy(tied)
+
+
 def test_the_init_follows_the_activation():
     """Graph-in for relu draws twice the variance it draws for a linear layer."""
     def var(model):

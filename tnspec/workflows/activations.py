@@ -67,7 +67,18 @@ class _Tracer(torch.fx.Tracer):
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
         return is_dense(m) or _module_activation(m) is not None or \
-            super().is_leaf_module(m, qualname)
+            type(m).__module__.startswith("tnspec.") or super().is_leaf_module(m, qualname)
+
+    def trace(self, root, concrete_args=None):  # type: ignore[override]
+        # fx stores each tensor constant it meets on the traced module as
+        # ``_tensor_constant<i>``: reading a model must not add attributes to it
+        before = {id(m): set(vars(m)) for m in root.modules()}
+        try:
+            return super().trace(root, concrete_args)
+        finally:
+            for m in root.modules():
+                for key in set(vars(m)) - before.get(id(m), set()):
+                    delattr(m, key)
 
 
 def _traced(model: nn.Module, prefix: str = "") -> list[torch.fx.Node]:

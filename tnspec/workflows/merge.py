@@ -11,7 +11,7 @@ from torch import nn
 
 from ..errors import SpecError
 from ..shapes import geometry
-from ..nn.embedding import EmbeddingBag
+from ..nn.embedding import EmbeddingBag, TiedHead
 from ..nn.module import Layer
 from .adapted import inside_adapted
 
@@ -21,7 +21,9 @@ def merge(model: nn.Module) -> nn.Module:
     ``nn.Conv1d/2d/3d`` or ``nn.Linear`` with its :meth:`~Layer.dense_weight` and bias (same
     stride, padding, dilation, groups, dtype and device): for deployment where dense is
     faster. Returns the model; a tnspec layer given as the model itself returns its dense
-    module. Layers of other networks stay, with a warning naming them.
+    module. Layers of other networks stay, with a warning naming them. A
+    :class:`~tnspec.nn.embedding.TiedHead` becomes an ``nn.Linear`` tied to the merged
+    embedding's weight, as before tensorize.
 
     >>> from tnspec import formats
     >>> layer = formats.cp(16, 32, 3, rank=8, padding=1).layer()
@@ -49,6 +51,12 @@ def merge(model: nn.Module) -> nn.Module:
         if not name:
             return dense
         set_submodule(model, name, dense)
+    for name, module in list(model.named_modules(remove_duplicate=False)):
+        if isinstance(module, TiedHead) and isinstance(module.table, nn.Embedding):
+            head = merged.setdefault(id(module), _dense_head(module))
+            if not name:
+                return head
+            set_submodule(model, name, head)
     owners = sorted(set(adapters.values()))
     if owners:
         warnings.warn(f"merge left the adapters of {len(owners)} adapted layer(s) as they are "
@@ -89,6 +97,18 @@ def _dense(layer: Layer) -> nn.Module:
     if layer.bias is not None:
         dense.bias.requires_grad_(layer.bias.requires_grad)
     return dense.train(layer.training)
+
+
+def _dense_head(head: TiedHead) -> nn.Linear:
+    """The ``nn.Linear`` of a tied head whose table was merged: it holds the merged
+    ``nn.Embedding``'s very weight, tied as the dense model was."""
+    weight = head.table.weight
+    dense = nn.Linear(head.in_features, head.out_features, bias=head.bias is not None,
+                      dtype=weight.dtype, device=weight.device)
+    dense.weight = weight
+    if head.bias is not None:
+        dense.bias = head.bias
+    return dense.train(head.training)
 
 
 def _dense_bag(bag: EmbeddingBag) -> nn.Module:
