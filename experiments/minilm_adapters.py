@@ -3,7 +3,7 @@ linear layer of the encoder and a new linear head on the mean-pooled embedding (
 full): tnspec's low_rank, cp, tucker2, tt and tr against PEFT's LoRA, LoHa and LoKr, at about the
 same trainable parameters, on the same batches, one learning rate (AdamW 1e-3), 3 seeds.
 
-    python -m experiments.minilm_adapters            # ~25 min on 2 cores
+    python -m experiments.minilm_adapters            # ~40 min alone on 2 cores
     python -m experiments.minilm_adapters --smoke
 """
 
@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="a tiny version")
     parser.add_argument("--seeds", type=int, default=3, help="how many seeds (3)")
-    parser.add_argument("--steps", type=int, default=150, help="training steps (150)")
+    parser.add_argument("--steps", type=int, default=200, help="training steps (200)")
     parser.add_argument("--test", type=int, default=1000, help="held-out snippets (1000)")
     args = parser.parse_args(argv)
     started = time.time()

@@ -9,7 +9,7 @@ repeated to 3 channels).
    head trained in full (``modules_to_save``): tnspec's formats against PEFT's LoRA at the same
    trainable parameters, one seed, the same batches.
 
-    python -m experiments.mobilenet_fashion          # ~15 min on 2 cores
+    python -m experiments.mobilenet_fashion          # ~9 min alone on 2 cores
     python -m experiments.mobilenet_fashion --smoke
 """
 

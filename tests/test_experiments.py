@@ -10,8 +10,8 @@ import torch
 pytest.importorskip("sklearn", reason="the experiments use scikit-learn's digits")
 pytest.importorskip("tqdm", reason="the experiments show tqdm progress bars")
 
-from experiments import (adapters, allconv, audit, decompose, prop2, propagation,  # noqa: E402
-                         random_formats)
+from experiments import (adapter_dynamics, adapters, allconv, audit, decompose,  # noqa: E402
+                         prop2, propagation, random_formats)
 from experiments.common import digits  # noqa: E402
 
 
@@ -56,10 +56,12 @@ def test_allconv_graph_in_keeps_the_scale_per_core_kaiming_does_not():
 
 
 def test_every_experiment_command_runs_its_smoke_version(capsys):
-    for module in (prop2, propagation, random_formats, allconv, audit, decompose, adapters):
+    for module in (prop2, propagation, random_formats, allconv, audit, decompose, adapters,
+                   adapter_dynamics):
         assert module.main(["--smoke"]) == 0
     out = capsys.readouterr().out
     assert out.count("| Ground truth |") == 1 and "graph-in (Odd-5)" in out
+    assert "| tt | 0.01 |" in out  # adapter_dynamics' row
 
 
 def test_training_is_reproducible_from_the_seeds():

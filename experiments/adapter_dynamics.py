@@ -1,0 +1,183 @@
+"""Why adapters of some formats train badly: the first few hundred steps, watched.
+
+The digits CNN of ``experiments.adapters`` (pretrained on upright digits, adapted to digits
+rotated by 90 degrees) gets adapters at 2% of each layer's parameters: tnspec's low_rank, cp,
+tucker2, tt and tr, and PEFT's LoRA. Adam at the rates PEFT's LoRA uses (1e-3, 3e-3, 1e-2), one
+seed, 300 steps of 64. At the 256 -> 256 conv (the largest adapted layer), every few steps:
+
+- each core's gradient norm and its move from init, ``||W_t - W_0|| / ||W_0||`` (the core that
+  starts at zero: ``||W_t||`` over the norm its Graph-in std gives it; PEFT's ``lora_B``: over
+  ``lora_A``'s norm, scaled to its shape);
+- the adapter's output over the base layer's output, ``||scaling * adapter(x)|| / ||base(x)||``,
+  and the share of the last hidden layer's ReLU units that are dead (zero on every image),
+  both on a fixed batch of 256 training images; the training loss.
+
+    python -m experiments.adapter_dynamics          # about 5 minutes on 2 cores
+    python -m experiments.adapter_dynamics --smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+import warnings
+from typing import Callable
+
+import torch
+from torch import nn
+
+import tnspec
+
+from . import adapters as base_experiment
+from .common import digits, markdown_table, plt, save
+
+METHODS = ("low_rank", "cp", "tucker2", "tt", "tr", "peft-lora")
+RATES = (1e-3, 3e-3, 1e-2)
+WATCHED = "5"  # the 256 -> 256 conv of the CNN
+LOGGED = (1, 2, 5, 10, 20, 40, 70, 100, 150, 200, 300)
+
+
+Parts = tuple[nn.Module, dict[str, nn.Parameter], str, float, Callable, Callable]
+
+
+def _parts(model: nn.Module) -> Parts:
+    """The watched layer: (module, cores, zero core's name, its reference norm, base(x),
+    adapter's scaled output(x))."""
+    layer = model.get_submodule(WATCHED) if not hasattr(model, "base_model") else \
+        model.base_model.model.get_submodule(WATCHED)
+    if isinstance(layer, tnspec.Adapted):
+        net = layer.adapters[layer.active]
+        cores = dict(net.named_parameters())
+        zero = layer.zeroed[layer.active]
+        # Z = scaling * Z' once trained to its Graph-in std: Z' of unit std
+        reference = math.sqrt(cores[zero].numel())
+        return (layer, cores, zero, reference, layer.base,
+                lambda x: layer.scaling[layer.active] * net(x))
+    cores = {"lora_A": layer.lora_A["default"].weight, "lora_B": layer.lora_B["default"].weight}
+    a = cores["lora_A"]
+    reference = float(a.detach().norm()) * math.sqrt(cores["lora_B"].numel() / a.numel())
+    return (layer, cores, "lora_B", reference, layer.base_layer,
+            lambda x: layer.scaling["default"] * layer.lora_B["default"](
+                layer.lora_A["default"](x)))
+
+
+def watch(model: nn.Module, data: tuple[torch.Tensor, ...], lr: float, steps: int,
+          seed: int = 0) -> tuple[list[dict], float]:
+    """Train ``model`` ``steps`` steps; the watched quantities at the logged steps, and the
+    final test accuracy."""
+    x_tr, y_tr, x_te, y_te = data
+    layer, cores, zero, reference, base, adapter = _parts(model)
+    start = {n: p.detach().clone() for n, p in cores.items()}
+    seen: dict[str, torch.Tensor] = {}
+    handle = layer.register_forward_hook(lambda m, args, y: seen.__setitem__("x", args[0]))
+    hidden = [m for m in model.modules() if isinstance(m, nn.ReLU)][-1]
+    hidden.register_forward_hook(lambda m, args, y: seen.__setitem__("h", y))
+    opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=lr)
+    gen = torch.Generator().manual_seed(seed)
+    probe = x_tr[:256]  # a fixed batch the output ratio and dead units are measured on
+
+    def dead() -> float:
+        with torch.no_grad():
+            model(probe)
+        return float((seen["h"] <= 0).all(0).float().mean())
+    rows, step = [{"step": 0, "loss": math.nan, "ratio": 0.0, "grads": {}, "moved": {},
+                   "dead": dead()}], 0
+    model.train()
+    while step < steps:
+        for idx in torch.randperm(len(x_tr), generator=gen).split(64):
+            loss = nn.functional.cross_entropy(model(x_tr[idx]), y_tr[idx])
+            opt.zero_grad()
+            loss.backward()
+            grads = {n: float(p.grad.norm()) if p.grad is not None else 0.0
+                     for n, p in cores.items()}
+            opt.step()
+            step += 1
+            if step in LOGGED or step == steps:
+                share = dead()
+                with torch.no_grad():
+                    x = seen["x"]
+                    ratio = float(adapter(x).norm() / base(x).norm())
+                    moved = {n: float((p - start[n]).norm() / start[n].norm()) if n != zero
+                             else float(p.norm()) / reference for n, p in cores.items()}
+                rows.append({"step": step, "loss": loss.item(), "ratio": ratio, "grads": grads,
+                             "moved": moved, "dead": share})
+            if step == steps:
+                break
+    handle.remove()
+    model.eval()
+    with torch.no_grad():
+        acc = float((model(x_te).argmax(1) == y_te).float().mean())
+    return rows, acc
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="a tiny version (tests)")
+    args = parser.parse_args(argv)
+    started = time.time()
+    images = digits(images=True)
+    methods = METHODS if base_experiment.peft_available() else METHODS[:-1]
+    rates, steps = (RATES, 300) if not args.smoke else ((1e-2,), 3)
+    if args.smoke:
+        images = (images[0][:128], images[1][:128], images[2][:64], images[3][:64])
+        methods = ("low_rank", "tt")
+    torch.manual_seed(0)
+    base = base_experiment.cnn()
+    base_experiment.fit(base.requires_grad_(True), images, 1e-3, 20 if not args.smoke else 1,
+                        seed=0)
+    base.requires_grad_(False)
+    task = base_experiment.rotated(images)
+    runs, table = {}, []
+    for method in methods:
+        for lr in rates:
+            torch.manual_seed(0)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                model = base_experiment.adapted(base, method, 0.02)
+            rows, acc = watch(model, task, lr, steps)
+            runs[(method, lr)] = rows
+            at = {r["step"]: r for r in rows}
+            ratios = (f"{at[s]['ratio']:.3g}" for s in (10, 40, 300) if s in at)
+            dead = f"{rows[0]['dead']:.0%} -> {max(r['dead'] for r in rows):.0%}"
+            table.append((method, f"{lr:g}", *ratios, dead, f"{rows[-1]['loss']:.3f}",
+                          f"{acc:.3f}"))
+            print(table[-1], flush=True)
+    head = ["method", "lr"] + [f"output ratio, step {s}" for s in (10, 40, 300)
+                               if s <= steps] + ["dead ReLUs: start -> most", "final loss",
+                                                 "accuracy"]
+    text = ("# Adapter dynamics (digits CNN, adapters at 2%, the 256 -> 256 conv watched)\n\n"
+            "Output ratio: ||scaling * adapter(x)|| / ||base(x)||. Dead ReLUs: the share of the "
+            "last hidden layer's units (channel x position) that are zero on the whole batch, "
+            "before adapting and the largest share over the logged steps. Both on a fixed "
+            "batch of 256 training images.\n\n" + markdown_table(head, table))
+    print(text)
+    if not args.smoke:
+        path = save("adapter_dynamics", text, started)
+        _plot(runs, methods, rates, path.with_suffix(".png"))
+    return 0
+
+
+def _plot(runs: dict, methods: tuple[str, ...], rates: tuple[float, ...], path) -> None:
+    fig, axes = plt().subplots(2, len(methods), figsize=(3.2 * len(methods), 6.4),
+                               sharey="row")
+    for col, method in enumerate(methods):
+        for lr, color in zip(rates, ("C0", "C1", "C3")):
+            rows = runs[(method, lr)][1:]
+            steps = [r["step"] for r in rows]
+            axes[0, col].plot(steps, [r["ratio"] for r in rows], color=color,
+                              label=f"lr {lr:g}")
+            for name in rows[0]["moved"]:
+                axes[1, col].plot(steps, [r["moved"][name] for r in rows], color=color,
+                                  alpha=0.7, lw=1)
+        axes[0, col].set(title=method, xscale="log", yscale="log")
+        axes[1, col].set(xscale="log", yscale="log", xlabel="step")
+    axes[0, 0].set_ylabel("adapter / base output")
+    axes[1, 0].set_ylabel("each core's move from init")
+    axes[0, 0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
