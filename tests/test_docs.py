@@ -30,3 +30,24 @@ def test_the_format_guide_has_its_measured_table_and_plot():
     for fmt in ("low_rank", "cp", "tucker2", "htk2", "tt", "tr", "odd", "depthwise_separable"):
         assert f"| {fmt} |" in table, fmt
     assert (ROOT / "docs" / "choosing.png").stat().st_size > 10_000
+
+
+def test_the_examples_in_docstrings_run():
+    """Every ``>>>`` example in tnspec's docstrings gives what it shows."""
+    import doctest
+    import pkgutil
+    import warnings
+
+    import tnspec
+    attempted = 0
+    for info in pkgutil.walk_packages(tnspec.__path__, "tnspec."):
+        if info.name.endswith("__main__"):
+            continue
+        module = importlib.import_module(info.name)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            result = doctest.testmod(module, optionflags=doctest.ELLIPSIS |
+                                     doctest.NORMALIZE_WHITESPACE)
+        assert result.failed == 0, info.name
+        attempted += result.attempted
+    assert attempted >= 20

@@ -190,6 +190,8 @@ def test_stages_import_only_what_they_need():
     assert graph["workflows.left_alone"] <= {"workflows.dense_layers", "workflows.merge"}
     assert graph["workflows.lora_export"] <= {"errors", "workflows.adapted",
                                               "workflows.dense_layers"}
+    assert graph["workflows.hotswap"] <= {"errors", "workflows.adapted",
+                                          "workflows.adapter_state"}
     assert "__init__" not in set().union(*(d for m, d in graph.items() if m != "__main__"))
 
 

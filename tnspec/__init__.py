@@ -33,6 +33,7 @@ from .workflows.adapter_state import (adapter_config, adapter_state_dict, disabl
                                       load_adapters, merge_adapters)
 from .workflows.adapters import AdaptReport, adapt
 from .workflows.compress import CompressReport, compress
+from .workflows.hotswap import hotswap
 from .workflows.lora_export import LoraExport, export_lora
 from .workflows.merge import merge
 from .workflows.peft_bridge import register_peft
@@ -45,6 +46,7 @@ __all__ = [
     "Options", "Plan", "Role", "Saved", "SpecError", "Tensor", "TiedHead", "adapt",
     "adapter_config", "adapter_state_dict", "audit", "backbone", "backward", "calibrate",
     "compile", "compile_all", "compress", "contract", "disable_adapters", "embedding",
-    "embedding_bag", "explain", "export_lora", "formats", "generate", "layer", "load_adapters",
+    "embedding_bag", "explain", "export_lora", "formats", "generate", "hotswap", "layer",
+    "load_adapters",
     "merge", "merge_adapters", "register_peft", "set_adapter", "tensorize",
 ]
