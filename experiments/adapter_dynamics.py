@@ -111,9 +111,30 @@ def watch(model: nn.Module, data: tuple[torch.Tensor, ...], lr: float, steps: in
     return rows, acc
 
 
+def equal_rate(model: nn.Module, rate: float) -> nn.Module:
+    """A trial step rule, applied after ``adapt``: each learning core ``W = m W'`` with ``W'``
+    of std ``n / rate`` (``n`` learning cores), ``m`` folded into the adapter's scaling, so
+    that Adam moves every format's product by about ``lr * rate`` of itself per step."""
+    for module in model.modules():
+        if isinstance(module, tnspec.Adapted):
+            for name, layer in module.adapters.items():
+                learning = [p for core, p in layer.named_parameters()
+                            if core != module.zeroed[name]]
+                target = len(learning) / rate
+                with torch.no_grad():
+                    for p in learning:
+                        std = float(p.std())
+                        p.mul_(target / std)
+                        module.scaling[name] *= std / target
+    return model
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="a tiny version (tests)")
+    parser.add_argument("--equal-rate", type=float, default=None, metavar="R",
+                        help="a trial step rule: every tnspec adapter reparametrized so that "
+                        "the sum over its learning cores of 1 / std is R (the same function)")
     args = parser.parse_args(argv)
     started = time.time()
     images = digits(images=True)
@@ -135,6 +156,8 @@ def main(argv: list[str] | None = None) -> int:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 model = base_experiment.adapted(base, method, 0.02)
+            if args.equal_rate and method != "peft-lora":
+                equal_rate(model, args.equal_rate)
             rows, acc = watch(model, task, lr, steps)
             runs[(method, lr)] = rows
             at = {r["step"]: r for r in rows}
@@ -146,14 +169,17 @@ def main(argv: list[str] | None = None) -> int:
     head = ["method", "lr"] + [f"output ratio, step {s}" for s in (10, 40, 300)
                                if s <= steps] + ["dead ReLUs: start -> most", "final loss",
                                                  "accuracy"]
-    text = ("# Adapter dynamics (digits CNN, adapters at 2%, the 256 -> 256 conv watched)\n\n"
+    rule = f", every tnspec adapter at equal rate {args.equal_rate:g}" if args.equal_rate else ""
+    text = (f"# Adapter dynamics (digits CNN, adapters at 2%, the 256 -> 256 conv watched{rule})"
+            "\n\n"
             "Output ratio: ||scaling * adapter(x)|| / ||base(x)||. Dead ReLUs: the share of the "
             "last hidden layer's units (channel x position) that are zero on the whole batch, "
             "before adapting and the largest share over the logged steps. Both on a fixed "
             "batch of 256 training images.\n\n" + markdown_table(head, table))
     print(text)
     if not args.smoke:
-        path = save("adapter_dynamics", text, started)
+        path = save("adapter_dynamics" + (f"_rate{args.equal_rate:g}" if args.equal_rate
+                                          else ""), text, started)
         _plot(runs, methods, rates, path.with_suffix(".png"))
     return 0
 

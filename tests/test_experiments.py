@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from torch import nn
 
 pytest.importorskip("sklearn", reason="the experiments use scikit-learn's digits")
 pytest.importorskip("tqdm", reason="the experiments show tqdm progress bars")
@@ -94,3 +95,21 @@ def test_the_real_model_experiments_run_their_smoke_versions(name, capsys):
         pytest.skip(str(exc))
     out = capsys.readouterr().out
     assert "| original |" in out
+
+
+def test_the_trial_step_rule_changes_the_parametrization_not_the_function():
+    """adapter_dynamics --equal-rate: the same adapter outputs, learning cores of std n / R."""
+    import tnspec
+    torch.manual_seed(0)
+    model, _ = tnspec.adapt(nn.Sequential(nn.Conv2d(8, 8, 3, padding=1)), "tr", rank=0.5)
+    layer = model[0]
+    with torch.no_grad():
+        getattr(layer.adapters["default"], layer.zeroed["default"]).normal_()
+    x = torch.randn(2, 8, 5, 5)
+    want = model(x)
+    adapter_dynamics.equal_rate(model, 13.0)
+    torch.testing.assert_close(model(x), want, rtol=1e-4, atol=1e-5)
+    learning = [p for n, p in layer.adapters["default"].named_parameters()
+                if n != layer.zeroed["default"]]
+    for p in learning:
+        assert float(p.std()) == pytest.approx(len(learning) / 13.0, rel=1e-4)
