@@ -120,6 +120,16 @@ def test_a_hostile_field_is_refused_and_never_executed(field, payload):
     _try_all(net)
 
 
+@pytest.mark.parametrize("field", ["input", "output"])
+def test_an_operand_named_like_another_is_refused_as_the_parser_refuses_it(field):
+    """Found by the fuzzer below: an input named like a core crashed the lowering."""
+    net = _hostile(BASE, field, "U")
+    with pytest.raises(tnspec.SpecError, match=r"operand name 'U' is used twice"):
+        tnspec.Layer(net)
+    with pytest.raises(tnspec.SpecError, match=r"operand name 'U' is used twice"):
+        tnspec.contract(net, torch.randn(2, 3, 8), _cores(net))
+
+
 def test_the_class_injection_through_the_layer_name_is_refused():
     net = dataclasses.replace(BASE, name=PAYLOADS[0])
     with pytest.raises(tnspec.SpecError, match=r"layer name .A\(nn.Module\)"):

@@ -79,6 +79,11 @@ def network(net: Any) -> None:
             _int(getattr(c, field), f"conv {field}")
     for n, t in enumerate((net.input, *net.cores, net.output)):
         _tensor(t, "input" if n == 0 else "output" if t is net.output else "core", sides)
+    names = [t.name for t in (net.input, *net.cores, net.output)]
+    twice = next((n for i, n in enumerate(names) if n in names[:i]), None)
+    if twice is not None:  # the check stage's rule: one name, one operand (a variable each)
+        raise SpecError(f"operand name {twice!r} is used twice in the Network",
+                        hint="give every operand its own name")
     for t in net.cores:  # the check stage's rule: each core is an attribute of the module
         if clashes(t.name):
             raise SpecError(f"core name {t.name!r} clashes with an attribute of the generated "
