@@ -2,8 +2,8 @@
 
 The digits CNN of ``experiments.adapters`` (pretrained on upright digits, adapted to digits
 rotated by 90 degrees) gets adapters at 2% of each layer's parameters: tnspec's low_rank, cp,
-tucker2, tt and tr, and PEFT's LoRA. Adam at the rates PEFT's LoRA uses (1e-3, 3e-3, 1e-2), one
-seed, 300 steps of 64. At the 256 -> 256 conv (the largest adapted layer), every few steps:
+tucker2, tt, tr and tt_lora, and PEFT's LoRA. Adam at the rates PEFT's LoRA uses (1e-3, 3e-3,
+1e-2), one seed, 300 steps of 64. At the 256 -> 256 conv (the largest adapted layer), every few steps:
 
 - each core's gradient norm and its move from init, ``||W_t - W_0|| / ||W_0||`` (the core that
   starts at zero: ``||W_t||`` over the norm its Graph-in std gives it; PEFT's ``lora_B``: over
@@ -12,7 +12,7 @@ seed, 300 steps of 64. At the 256 -> 256 conv (the largest adapted layer), every
   and the share of the last hidden layer's ReLU units that are dead (zero on every image),
   both on a fixed batch of 256 training images; the training loss.
 
-    python -m experiments.adapter_dynamics          # about 5 minutes on 2 cores
+    python -m experiments.adapter_dynamics          # about 11 minutes on 2 cores
     python -m experiments.adapter_dynamics --smoke
 """
 
@@ -32,7 +32,7 @@ import tnspec
 from . import adapters as base_experiment
 from .common import digits, markdown_table, plt, save
 
-METHODS = ("low_rank", "cp", "tucker2", "tt", "tr", "peft-lora")
+METHODS = ("low_rank", "cp", "tucker2", "tt", "tr", "tt_lora", "peft-lora")
 RATES = (1e-3, 3e-3, 1e-2)
 WATCHED = "5"  # the 256 -> 256 conv of the CNN
 LOGGED = (1, 2, 5, 10, 20, 40, 70, 100, 150, 200, 300)
@@ -176,12 +176,41 @@ def main(argv: list[str] | None = None) -> int:
             "last hidden layer's units (channel x position) that are zero on the whole batch, "
             "before adapting and the largest share over the logged steps. Both on a fixed "
             "batch of 256 training images.\n\n" + markdown_table(head, table))
+    text += "\n\n" + _costs(base, task, methods, rounds=2 if args.smoke else 40)
     print(text)
     if not args.smoke:
         path = save("adapter_dynamics" + (f"_rate{args.equal_rate:g}" if args.equal_rate
                                           else ""), text, started)
         _plot(runs, methods, rates, path.with_suffix(".png"))
     return 0
+
+
+def _costs(base: nn.Module, task: tuple[torch.Tensor, ...], methods: tuple[str, ...],
+           rounds: int) -> str:
+    """The watched conv's adapter FLOPs (a share of the dense conv's) and one training step at
+    batch 256, relative to the frozen base's forward and backward (interleaved, medians)."""
+    x, y = task[0][:256], task[1][:256]
+    models = {"frozen base": base}
+    rows = []
+    for method in methods:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            models[method] = base_experiment.adapted(base, method, 0.02)
+    times = base_experiment.step_times(models, x, y, rounds)
+    dense = 2 * len(x) * 256 * 256 * 9 * 16  # the 256 -> 256 3x3 conv on 4x4 maps
+    for method in methods:
+        layer, *_ = _parts(models[method])
+        if isinstance(layer, tnspec.Adapted):
+            flops = layer.adapters[layer.active].plan((len(x), 256, 4, 4)).flops
+        else:  # PEFT's LoRA conv: A (3x3, r outputs), then B (1x1)
+            r = layer.lora_A["default"].out_channels
+            flops = 2 * len(x) * 16 * (256 * 9 * r + r * 256)
+        rows.append((method, f"{flops / dense:.1%}",
+                     f"{times[method] * 1e3:.1f}", f"{times[method] / times['frozen base']:.2f}"))
+    return ("One training step at batch 256 (adapters at 2%), median of interleaved rounds, and "
+            "the watched conv's adapter FLOPs as a share of the dense conv's:\n\n"
+            + markdown_table(["method", "adapter FLOPs", "ms per step",
+                              "x frozen base fwd+bwd"], rows))
 
 
 def _plot(runs: dict, methods: tuple[str, ...], rates: tuple[float, ...], path) -> None:

@@ -142,7 +142,7 @@ def adapted(base: nn.Module, method: str, share: float) -> nn.Module:
     model = copy.deepcopy(base)
     if method == "full":
         return model.requires_grad_(True)
-    if method in TNSPEC:
+    if method in tnspec.formats.NAMES:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # modes of small channel counts
             return tnspec.adapt(model, method, rank=share, include=_targets(model))[0]

@@ -69,7 +69,8 @@ def build(format: str, in_channels: int, out_channels: int, kernel_size: IntOrTu
             ``padding="same"`` for stride 1 and an odd dilated kernel.
         groups: as ``nn.Conv2d``; a parallel index ``g`` on every core.
         in_modes, out_modes: the channels per group as a product of modes (a tuple), or a
-            number of near-equal modes (an int); default 2 for tt, tr and odd, else 1.
+            number of near-equal modes (an int); default 2 for tt, tr, tt_lora and odd,
+            else 1.
         phi: a hyperedge of this size carried by every core (htk2: 4 by default).
         blocks: the number of Tucker terms of ``block_term``.
         rank_multiple: with a float ``rank``, round the rank down to a multiple of this
@@ -94,7 +95,7 @@ def build(format: str, in_channels: int, out_channels: int, kernel_size: IntOrTu
     if in_channels % groups or out_channels % groups:
         raise SpecError(f"groups={groups} does not divide in_channels={in_channels} and "
                         f"out_channels={out_channels}", hint="as in nn.Conv2d")
-    default_modes = {"tt": 2, "tr": 2, "odd": 2}.get(format, 1)
+    default_modes = {"tt": 2, "tr": 2, "tt_lora": 2, "odd": 2}.get(format, 1)
     cin = axes.split_modes(in_channels // groups,
                            default_modes if in_modes is None else in_modes, "in",
                            chosen=in_modes is not None)
@@ -294,6 +295,16 @@ def tr(in_channels: int, out_channels: int, kernel_size: IntOrTuple = (), *,
     """Tensor ring (Wang et al. 2018): mode cores and a kernel core on one ring of ranks.
     Arguments as :func:`build`."""
     return build("tr", **_arguments(locals()))
+
+
+def tt_lora(in_channels: int, out_channels: int, kernel_size: IntOrTuple = (), *,
+            rank: Rank = 8, stride: IntOrTuple = 1, padding: Padding = 0,
+            dilation: IntOrTuple = 1, groups: int = 1, in_modes: Modes = None,
+            out_modes: Modes = None, phi: int | None = None, rank_multiple: int = 1) -> Format:
+    """Tensor train over small modes (TT-LoRA's and LoRETTA's layout): a core per input mode,
+    a kernel core, a core per output mode, on an open chain, so that the bond between the
+    input and the output side plays LoRA's rank. Arguments as :func:`build`."""
+    return build("tt_lora", **_arguments(locals()))
 
 
 def block_term(in_channels: int, out_channels: int, kernel_size: IntOrTuple = (), *,

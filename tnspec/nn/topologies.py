@@ -48,6 +48,15 @@ def _tr(p: Parts, r: list[str]) -> list[list[str]]:
     return [[r[i], *leg, r[(i + 1) % len(r)]] for i, leg in enumerate(legs)]
 
 
+def _tt_lora(p: Parts, r: list[str]) -> list[list[str]]:
+    """An open chain: input mode cores, a kernel core, output mode cores, each on a leg of
+    its own (the tensor train of the weight reshaped into small modes, as TT-LoRA and
+    LoRETTA adapt): the ring of tr, cut between the last output and the first input core."""
+    legs = [[m] for m in p.ins] + ([p.ks] if p.ks else []) + [[m] for m in p.outs]
+    bonds = [None] + r + [None]
+    return [[q for q in (bonds[i], *leg, bonds[i + 1]) if q] for i, leg in enumerate(legs)]
+
+
 def _block_term(p: Parts, r: list[str]) -> list[list[str]]:
     """A sum over the last rank index n of full Tucker terms (n is a hyperedge)."""
     n = r[-1:]
@@ -92,6 +101,8 @@ TOPOLOGIES: dict[str, Topology] = {
     "htk2": Topology(_tucker2, lambda p: 2, "UGV"),
     "tt": Topology(_tt, lambda p: len(p.ins) - (0 if p.ks else 1), ""),
     "tr": Topology(_tr, lambda p: len(p.ins) + len(p.outs) + (1 if p.ks else 0), ""),
+    "tt_lora": Topology(_tt_lora, lambda p: len(p.ins) + len(p.outs) + (1 if p.ks else 0) - 1,
+                        ""),
     "block_term": Topology(_block_term, lambda p: 3 + len(p.ks), ""),
     "odd": Topology(_odd, lambda p: 14, "ABCDEFGHI"),
     "hypernet": Topology(_hypernet, lambda p: 1, ""),
