@@ -3,7 +3,8 @@
 The digits CNN of ``experiments.adapters`` (pretrained on upright digits, adapted to digits
 rotated by 90 degrees) gets adapters at 2% of each layer's parameters: tnspec's low_rank, cp,
 tucker2, tt, tr and tt_lora, and PEFT's LoRA. Adam at the rates PEFT's LoRA uses (1e-3, 3e-3,
-1e-2), one seed, 300 steps of 64. At the 256 -> 256 conv (the largest adapted layer), every few steps:
+1e-2), one seed, 300 steps of 64. At the 256 -> 256 conv (the largest adapted layer), every
+few steps:
 
 - each core's gradient norm and its move from init, ``||W_t - W_0|| / ||W_0||`` (the core that
   starts at zero: ``||W_t||`` over the norm its Graph-in std gives it; PEFT's ``lora_B``: over
