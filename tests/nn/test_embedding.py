@@ -253,6 +253,19 @@ def test_merge_gives_a_tied_head_back_as_a_linear_tied_to_the_merged_table():
     torch.testing.assert_close(merged(idx), want)
 
 
+def test_merge_that_raises_leaves_the_model_as_it_was():
+    """merge builds every dense module before it sets one: a layer it cannot merge (an
+    embedding with a bias) stops it before the layers named earlier were replaced."""
+    lin = tnspec.formats.cp(8, 8, (), rank=2).layer()
+    emb = tnspec.layer("x[b] in (v0 v1), A[v0, d0, r], B[v1, d1, r] -> y[b, (d0 d1)]",
+                       v0=3, v1=4, d0=2, d1=2, r=2, bias=True)
+    model = nn.ModuleDict({"a": lin, "b": emb})
+    before = snapshot(model)
+    with pytest.raises(tnspec.SpecError, match="an embedding with a bias has no nn.Embedding"):
+        tnspec.merge(model)
+    assert unchanged(before, model) and model["a"] is lin
+
+
 def test_generated_module_equals_inline_and_scripts_and_exports(tmp_path):
     text = ("layer emb(v0=8, v1=9, v2=10, d0=2, d1=3, d2=4, r=3, q=2) {\n  padding_idx: 5\n"
             "  x[b] in (v0 v1 v2), A[v0, d0, r], B[r, v1, d1, q], C[q, v2, d2] "

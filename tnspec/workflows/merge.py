@@ -5,6 +5,7 @@ deployment where dense is faster."""
 from __future__ import annotations
 
 import warnings
+from typing import Any
 
 import torch
 from torch import nn
@@ -23,7 +24,8 @@ def merge(model: nn.Module) -> nn.Module:
     faster. Returns the model; a tnspec layer given as the model itself returns its dense
     module. Layers of other networks stay, with a warning naming them. A
     :class:`~tnspec.nn.embedding.TiedHead` becomes an ``nn.Linear`` tied to the merged
-    embedding's weight, as before tensorize.
+    embedding's weight, as before tensorize. Every dense module is built before any is set:
+    a layer that cannot be merged raises with the model as it was.
 
     >>> from tnspec import formats
     >>> layer = formats.cp(16, 32, 3, rank=8, padding=1).layer()
@@ -33,30 +35,30 @@ def merge(model: nn.Module) -> nn.Module:
     kept = []
     adapters = inside_adapted(model)  # merge_adapters folds those: they stay as they are
     merged: dict[int, nn.Module] = {}  # a layer registered under several names: one module
-    bags = [(n, m) for n, m in model.named_modules(remove_duplicate=False)
-            if isinstance(m, EmbeddingBag)]
-    for name, module in bags:
-        dense = merged.setdefault(id(module), _dense_bag(module))
-        if not name:
-            return dense
-        set_submodule(model, name, dense)
-    for name, module in list(model.named_modules(remove_duplicate=False)):
-        if not isinstance(module, Layer) or id(module) in adapters:
-            continue
-        if geometry(module.network) is None:
-            if (name or "the model") not in kept:
+    planned: list[tuple[str, nn.Module]] = []  # every dense module built before any is set
+    bags: list[str] = []
+    for name, module in model.named_modules(remove_duplicate=False):
+        if _under(name, bags):
+            continue  # a bag's own table: merged with it
+        if isinstance(module, EmbeddingBag):
+            bags.append(name)
+            planned.append((name, _once(merged, module, _dense_bag)))
+        elif isinstance(module, Layer) and id(module) not in adapters:
+            if geometry(module.network) is not None:
+                planned.append((name, _once(merged, module, _dense)))
+            elif (name or "the model") not in kept:
                 kept.append(name or "the model")
-            continue
-        dense = merged.setdefault(id(module), _dense(module))
-        if not name:
-            return dense
-        set_submodule(model, name, dense)
-    for name, module in list(model.named_modules(remove_duplicate=False)):
-        if isinstance(module, TiedHead) and isinstance(module.table, nn.Embedding):
-            head = merged.setdefault(id(module), _dense_head(module))
-            if not name:
-                return head
-            set_submodule(model, name, head)
+    for name, module in model.named_modules(remove_duplicate=False):
+        if isinstance(module, TiedHead) and id(module.table) in merged:
+            table = merged[id(module.table)]
+            planned.append((name, _once(merged, module, lambda head: _dense_head(head, table))))
+    # then change: a module replaced as a whole takes its submodules with it
+    replaced = dict(planned)
+    if "" in replaced:
+        return replaced[""]
+    for name, dense in planned:
+        if not _under(name, replaced):
+            set_submodule(model, name, dense)
     owners = sorted(set(adapters.values()))
     if owners:
         warnings.warn(f"merge left the adapters of {len(owners)} adapted layer(s) as they are "
@@ -99,10 +101,22 @@ def _dense(layer: Layer) -> nn.Module:
     return dense.train(layer.training)
 
 
-def _dense_head(head: TiedHead) -> nn.Linear:
-    """The ``nn.Linear`` of a tied head whose table was merged: it holds the merged
-    ``nn.Embedding``'s very weight, tied as the dense model was."""
-    weight = head.table.weight
+def _under(name: str, parents: Any) -> bool:
+    """Whether the module ``name`` lies inside one of the modules named in ``parents``."""
+    return any(not parent or name.startswith(f"{parent}.") for parent in parents)
+
+
+def _once(merged: dict[int, nn.Module], module: nn.Module, dense: Any) -> nn.Module:
+    """``dense(module)``, built once for a module registered under several names."""
+    if id(module) not in merged:
+        merged[id(module)] = dense(module)
+    return merged[id(module)]
+
+
+def _dense_head(head: TiedHead, table: nn.Module) -> nn.Linear:
+    """The ``nn.Linear`` of a tied head whose table merged into the ``nn.Embedding``
+    ``table``: it holds that embedding's very weight, tied as the dense model was."""
+    weight = table.weight
     dense = nn.Linear(head.in_features, head.out_features, bias=head.bias is not None,
                       dtype=weight.dtype, device=weight.device)
     dense.weight = weight
