@@ -110,6 +110,14 @@ class WithConstant(nn.Module):
         return torch.relu(self.a(x) * torch.tensor(2.0))
 
 
+class StopsTracing(WithConstant):
+    """fx stores the constant, then fails at the branch on a traced value."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.a(x) * torch.tensor(2.0)
+        return torch.relu(y) if y.sum() > 0 else y
+
+
 class TiedLM(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -130,6 +138,10 @@ def test_reading_the_activations_adds_nothing_to_the_model():
     assert {r.name: r.activation for r in report.replaced}["0.a"] == "linear"
     assert [set(vars(new)), set(vars(new[0]))] == before
     copy.deepcopy(new)
+    model = nn.Sequential(StopsTracing(), nn.Linear(4, 2))  # a trace that raises, too
+    before = [set(vars(model)), set(vars(model[0]))]
+    new, _ = tnspec.tensorize(model, "cp", rank=0.5)
+    assert [set(vars(new)), set(vars(new[0]))] == before
     tied, _ = tnspec.tensorize(TiedLM(), "cp", rank=0.5)
     tnspec.tensorize(tied, "tucker2", rank=0.5)  # traces the tensorized table's head
     copy.deepcopy(tied)
