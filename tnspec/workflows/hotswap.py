@@ -64,9 +64,10 @@ def hotswap(model: nn.Module, state: Mapping[str, torch.Tensor], config: Mapping
     return model
 
 
-def _source(path: str, entry: Mapping[str, Any], name: str | None) -> str:
-    key = entry.get("active") if name is None else name
-    if key is None or key not in entry.get("adapters", entry.get("copies", ())):
+def _source(path: str, active: str | None, saved: Any, name: str | None) -> str:
+    """The saved adapter to swap in at ``path``: ``name``, or the one active when saved."""
+    key = active if name is None else name
+    if key is None or key not in saved:
         raise SpecError(f"hotswap: the saved adapters of {path!r} have no adapter "
                         f"{key!r}" if key is not None else
                         f"hotswap: the saved adapters of {path!r} had none active",
@@ -82,7 +83,7 @@ def _layer_writes(path: str, module: Adapted, state: Mapping[str, torch.Tensor],
         raise SpecError(f"hotswap: layer {path!r} holds adapter {into!r}, but the saved "
                         "adapters do not name it",
                         hint="swap in adapters trained on the same layers")
-    key = _source(path, entry, name)
+    key = _source(path, entry.get("active"), entry["adapters"], name)
     saved, layer = entry["adapters"][key], module.adapters[into]
     for what, have, given in (("network", layer.spec, saved["spec"]),
                               ("sizes", dict(layer.sizes), saved["sizes"]),
@@ -102,7 +103,7 @@ def _layer_writes(path: str, module: Adapted, state: Mapping[str, torch.Tensor],
                 "missing" if value is None else f"{tuple(value.shape)}") +
                 f" in the saved state, expected {tuple(p.shape)}")
         if core == module.zeroed[into]:  # its scaling, folded into the core it multiplies
-            value = (value.double() * ratio).to(p.dtype)
+            value = value.double() * ratio
         writes.append((p, value.to(p.device, p.dtype)))
     return writes
 
@@ -115,7 +116,7 @@ def _copy_writes(path: str, module: Saved, state: Mapping[str, torch.Tensor],
         raise SpecError(f"hotswap: module {path!r} is trained in full with adapter {into!r}, "
                         "but the saved adapters do not name it",
                         hint="swap in adapters saved with the same modules_to_save")
-    key = _source(path, {"active": entry.get("active"), "copies": entry["copies"]}, name)
+    key = _source(path, entry.get("active"), entry["copies"], name)
     prefix = ".".join(filter(None, [path, "copies", key])) + "."
     writes = []
     for tensor_name, target in module.copies[into].state_dict(keep_vars=True).items():
