@@ -76,17 +76,36 @@ def fashion_mnist(split: str = "train", limit: int | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(images, labels)``: uint8 ``(N, 28, 28)`` and int64 ``(N,)``, the first ``limit``
     of ``split`` ("train": 60,000, "test": 10,000)."""
+    if split not in _FASHION_SIZES:
+        raise ValueError(f"split {split!r}: use 'train' or 'test'")
     prefix = {"train": "train", "test": "t10k"}[split]
     images, labels = FASHION / f"{prefix}-images-idx3-ubyte.gz", \
         FASHION / f"{prefix}-labels-idx1-ubyte.gz"
-    if not images.exists():
-        raise Missing("Fashion-MNIST: apt-get install dataset-fashion-mnist")
-    with gzip.open(images) as f:
-        x = np.frombuffer(f.read(), np.uint8, offset=16).reshape(-1, 28, 28)
-    with gzip.open(labels) as f:
-        y = np.frombuffer(f.read(), np.uint8, offset=8)
+    if not images.exists() or not labels.exists():
+        raise Missing(f"Fashion-MNIST ({images.name} not in {FASHION}): "
+                      "apt-get install dataset-fashion-mnist")
+    x = _idx(images, 2051, (28, 28))
+    y = _idx(labels, 2049, ())
+    if len(x) != len(y) or len(y) != _FASHION_SIZES[split]:
+        raise ValueError(f"Fashion-MNIST {split}: {len(x)} images and {len(y)} labels, "
+                         f"expected {_FASHION_SIZES[split]:,} of each; reinstall "
+                         "dataset-fashion-mnist")
     n = len(y) if limit is None else limit
     return torch.from_numpy(x[:n].copy()), torch.from_numpy(y[:n].astype(np.int64))
+
+
+_FASHION_SIZES = {"train": 60_000, "test": 10_000}
+
+
+def _idx(path: Path, magic: int, shape: tuple[int, ...]) -> np.ndarray:
+    """An idx file's uint8 array, its header checked (magic number and item shape)."""
+    with gzip.open(path) as f:
+        raw = f.read()
+    header = np.frombuffer(raw, ">u4", count=1 + 1 + len(shape))
+    if int(header[0]) != magic or tuple(int(d) for d in header[2:]) != shape:
+        raise ValueError(f"{path}: not an idx file of {shape or 'labels'} (header "
+                         f"{header.tolist()}); reinstall dataset-fashion-mnist")
+    return np.frombuffer(raw, np.uint8, offset=4 * len(header)).reshape(-1, *shape)
 
 
 def rotten_tomatoes() -> tuple[list[str], torch.Tensor]:

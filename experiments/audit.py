@@ -68,8 +68,8 @@ def main(argv: list[str] | None = None) -> int:
             f"16 x 64 x {size} x {size} (N(0, 1)).\n\n"
             + markdown_table(["stack", "min forward ratio", "max forward ratio",
                               "product forward", "product backward"], rows)
-            + "\n\nPer layer:\n\n" + "\n\n".join(f"{name}:\n\n```\n{a}\n```"
-                                                for name, a in audits.items())
+            + "\n\nPer layer:\n\n"
+            + "\n\n".join(f"{name}:\n\n```\n{a}\n```" for name, a in audits.items())
             + "\n\nReading: with Graph-in the product over the stack stays near 1, so the signal"
               " reaches the last layer at its scale; single layers scatter around 1 because the"
               " kernel cores are tiny (D[r3, kw] has 24 entries, whose sample variance is far"

@@ -1,4 +1,5 @@
-"""What the experiments share: the digits data, a training loop, progress bars, tables."""
+"""What the experiments share: the digits and Fashion-MNIST data, training loops, progress
+bars, tables."""
 
 from __future__ import annotations
 
@@ -33,6 +34,19 @@ def digits(seed: int = 0, images: bool = False) -> tuple[torch.Tensor, ...]:
     shape = (-1, 1, 8, 8) if images else (-1, 64)
     return (torch.from_numpy((x_tr - mean) / std).reshape(shape), torch.from_numpy(y_tr),
             torch.from_numpy((x_te - mean) / std).reshape(shape), torch.from_numpy(y_te))
+
+
+def fashion(train: int | None = None, test: int | None = None) -> tuple[torch.Tensor, ...]:
+    """Fashion-MNIST as ``(x_train, y_train, x_test, y_test)``, x as (N, 1, 28, 28) standardized
+    with the training set's mean and std (one number each): the first ``train`` / ``test``
+    images of each split (all 60,000 / 10,000 by default). Raises ``assets.Missing`` naming
+    the Debian package where the files are not installed."""
+    from . import assets
+    x_tr, y_tr = assets.fashion_mnist("train", train)
+    x_te, y_te = assets.fashion_mnist("test", test)
+    x_tr, x_te = x_tr.float().unsqueeze(1), x_te.float().unsqueeze(1)
+    mean, std = x_tr.mean(), x_tr.std()
+    return (x_tr - mean) / std, y_tr, (x_te - mean) / std, y_te
 
 
 def progress(items: Iterable, desc: str, total: int | None = None) -> Iterable:
@@ -83,6 +97,60 @@ def train(model: nn.Module, data: Sequence[torch.Tensor],
         if not math.isfinite(total):
             break  # diverged: the remaining epochs would only repeat NaN
     return hist
+
+
+def train_steps(model: nn.Module, data: Sequence[torch.Tensor],
+                optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer], *,
+                steps: int, batch: int, seed: int, evals: int = 10, probe: int = 2000,
+                milestones: Sequence[int] = (), gamma: float = 1.0) -> History:
+    """Train ``model`` for ``steps`` steps with cross-entropy, on batches drawn from a fresh
+    permutation of the training set each epoch. ``evals`` times, evenly, record the mean
+    training loss since the last record and the test loss and accuracy: on the first ``probe``
+    test images, the last record on the whole test set (so ``final_acc`` is the test accuracy).
+    The learning rate is multiplied by ``gamma`` at each step in ``milestones``."""
+    x_tr, y_tr, x_te, y_te = data
+    opt = optimizer(model.parameters())
+    sched = torch.optim.lr_scheduler.MultiStepLR(opt, list(milestones), gamma)
+    gen = torch.Generator().manual_seed(seed)
+    loss_fn = nn.CrossEntropyLoss()
+    hist = History()
+    marks = {round(steps * (k + 1) / evals) for k in range(evals)}
+    order = torch.empty(0, dtype=torch.long)
+    total, seen = 0.0, 0
+    model.train()
+    for step in range(1, steps + 1):
+        if len(order) < batch:
+            order = torch.randperm(len(x_tr), generator=gen)
+        idx, order = order[:batch], order[batch:]
+        loss = loss_fn(model(x_tr[idx]), y_tr[idx])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        sched.step()
+        total, seen = total + loss.item() * len(idx), seen + len(idx)
+        if step in marks or not math.isfinite(total):
+            n = len(x_te) if step == steps or not math.isfinite(total) else probe
+            test_loss, acc = _evaluate(model, x_te[:n], y_te[:n], loss_fn)
+            hist.train_loss.append(total / seen)
+            hist.test_loss.append(test_loss)
+            hist.test_acc.append(acc)
+            total, seen = 0.0, 0
+            model.train()
+            if not math.isfinite(hist.train_loss[-1]):
+                break  # diverged: the remaining steps would only repeat NaN
+    return hist
+
+
+def _evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn: nn.Module,
+              batch: int = 1000) -> tuple[float, float]:
+    model.eval()
+    loss, right = 0.0, 0
+    with torch.no_grad():
+        for xb, yb in zip(x.split(batch), y.split(batch)):
+            logits = model(xb)
+            loss += loss_fn(logits, yb).item() * len(yb)
+            right += int((logits.argmax(1) == yb).sum())
+    return loss / len(y), right / len(y)
 
 
 def markdown_table(header: Sequence[str], rows: Iterable[Sequence[object]]) -> str:

@@ -126,6 +126,7 @@ def tensorly_tucker(model: nn.Module, budget: float, prefix: str) -> nn.Module:
         shape = tltorch.FactorizedLinear.from_linear(lin, rank=budget, factorization="tucker",
                                                      implementation="factorized")
         target = budget * sum(p.numel() for p in lin.parameters())
+
         def size(rank: float) -> int:
             return sum(p.numel() for p in tltorch.FactorizedLinear(
                 shape.in_tensorized_features, shape.out_tensorized_features, rank=rank,

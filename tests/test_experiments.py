@@ -13,7 +13,16 @@ pytest.importorskip("tqdm", reason="the experiments show tqdm progress bars")
 
 from experiments import (adapter_dynamics, adapters, allconv, audit, decompose,  # noqa: E402
                          prop2, propagation, random_formats)
-from experiments.common import digits  # noqa: E402
+from experiments.common import digits, fashion, train_steps  # noqa: E402
+
+
+def _fashion(train: int, test: int) -> tuple[torch.Tensor, ...]:
+    """A slice of Fashion-MNIST, or a skip where the Debian package is not installed."""
+    from experiments import assets
+    try:
+        return fashion(train, test)
+    except assets.Missing as exc:
+        pytest.skip(str(exc))
 
 
 def test_prop2_gaussian_scales_are_the_contracted_sizes():
@@ -113,3 +122,72 @@ def test_the_trial_step_rule_changes_the_parametrization_not_the_function():
                 if n != layer.zeroed["default"]]
     for p in learning:
         assert float(p.std()) == pytest.approx(len(learning) / 13.0, rel=1e-4)
+
+
+def test_the_fashion_loader_gives_standardized_images_and_every_class():
+    x_tr, y_tr, x_te, y_te = _fashion(2000, 1000)
+    assert x_tr.shape == (2000, 1, 28, 28) and x_te.shape == (1000, 1, 28, 28)
+    assert x_tr.dtype == torch.float32 and y_tr.dtype == torch.int64
+    assert abs(float(x_tr.mean())) < 1e-4 and abs(float(x_tr.std()) - 1) < 1e-4
+    assert set(y_tr.tolist()) == set(range(10)) and set(y_te.tolist()) == set(range(10))
+    from experiments import assets
+    _, labels = assets.fashion_mnist("test")
+    assert labels.bincount().tolist() == [1000] * 10  # the whole test split, balanced
+
+
+def test_the_fashion_loader_names_the_debian_package_when_the_files_are_absent(
+        tmp_path, monkeypatch):
+    from experiments import assets
+    monkeypatch.setattr(assets, "FASHION", tmp_path)
+    with pytest.raises(assets.Missing, match="apt-get install dataset-fashion-mnist"):
+        fashion(10, 10)
+
+
+def test_the_fashion_loader_refuses_a_file_that_is_not_an_idx_file(tmp_path, monkeypatch):
+    import gzip
+
+    from experiments import assets
+    for name in ("t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz"):
+        with gzip.open(tmp_path / name, "wb") as f:
+            f.write(b"<html>not found</html>" * 10)
+    monkeypatch.setattr(assets, "FASHION", tmp_path)
+    with pytest.raises(ValueError, match="not an idx file.*reinstall dataset-fashion-mnist"):
+        assets.fashion_mnist("test")
+
+
+def test_training_by_steps_records_evenly_and_ends_on_the_whole_test_set():
+    data = _fashion(300, 250)
+
+    def run():
+        torch.manual_seed(0)
+        model = random_formats.Conv4(0, "graph-in", random_formats.STRIDES["fashion"])
+        return model, train_steps(model, data, lambda p: torch.optim.Adam(p, lr=1e-3),
+                                  steps=12, batch=64, seed=0, evals=3, probe=100)
+    net, hist = run()
+    assert len(hist.train_loss) == len(hist.test_acc) == 3
+    with torch.no_grad():
+        acc = float((net(data[2]).argmax(1) == data[3]).float().mean())
+    assert hist.final_acc == pytest.approx(acc)  # the last record: all 250 test images
+    assert run()[1] == hist  # same seeds, same numbers
+
+
+def test_on_fashion_graph_in_keeps_the_scale_where_per_core_inits_lose_it():
+    x = _fashion(10, 64)[2]
+    strides = random_formats.STRIDES["fashion"]
+    for seed in range(3):
+        graph = random_formats.init_std(seed, "graph-in", x, strides)
+        assert 0.02 < graph < 2
+        for init in ("xavier", "orthogonal"):
+            assert random_formats.init_std(seed, init, x, strides) < 1e-3 * graph
+    for fmt in ("tr", "odd"):
+        assert 0.2 < allconv.init_scale(fmt, "graph-in", x) < 5, fmt
+        for init in ("kaiming-in", "kaiming-out"):
+            assert not 0.1 < allconv.init_scale(fmt, init, x) < 10, (fmt, init)
+
+
+def test_the_fashion_experiments_run_their_smoke_versions(capsys):
+    _fashion(1, 1)
+    for module in (random_formats, allconv):
+        assert module.main(["--data", "fashion", "--smoke"]) == 0
+    out = capsys.readouterr().out
+    assert "nets > 50% (of 1)" in out and "| odd | 43,402 |" in out
