@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 import tnspec
 from tnspec import formats
+from tnspec.nn import axes
 
 from ..reference import dense_forward
 
@@ -78,6 +79,22 @@ def test_modes_split_near_equally_and_as_given():
     assert sorted(sizes[k] for k in ("o0", "o1", "o2")) == [4, 4, 6]
 
 
+@pytest.mark.parametrize("channels, modes", [
+    (768, [12, 8, 8]), (3072, [16, 16, 12]), (4096, [16, 16, 16]), (1024, [16, 8, 8]),
+    (256, [16, 16]), (64, [8, 8]), (10, [5, 2]), (17, [17]), (68, [17, 2, 2]), (1, [1])])
+@pytest.mark.filterwarnings("ignore:tt_lora with rank=2 has")
+def test_auto_modes_are_the_fewest_of_at_most_16(channels, modes):
+    sizes = formats.tt_lora(channels, 8, rank=2, out_modes=1).sizes  # "auto": the default
+    names = ["c"] if len(modes) == 1 else [f"c{i}" for i in range(len(modes))]
+    assert [sizes[k] for k in names] == modes and f"c{len(modes)}" not in sizes
+    assert axes.split_modes(channels, axes.small_modes(channels), "in", chosen=False) == modes
+
+
+def test_auto_modes_give_tt_the_same_count_on_both_sides():
+    sizes = formats.tt(768, 64, rank=2, in_modes="auto", out_modes="auto").sizes
+    assert [sizes[k] for k in ("c0", "c1", "c2", "o0", "o1", "o2")] == [12, 8, 8, 4, 4, 4]
+
+
 def test_a_fractional_rank_fits_the_parameter_budget():
     fmt = formats.tucker2(64, 64, 3, rank=0.25)
     params = tnspec.compile(fmt.spec, **fmt.sizes).num_parameters
@@ -140,6 +157,7 @@ def test_rank_tuples_name_each_edge():
     (lambda: formats.cp(8.0, 8, 3), "in_channels=8.0 must be a positive int"),
     (lambda: formats.cp(8, 8, 3, rank=2.0), "share of the dense parameters"),
     (lambda: formats.tucker2(8, 8, 3, rank=(2, True)), "rank=\\(2, True\\)"),
+    (lambda: formats.tt(8, 8, in_modes="many"), "in_modes='many' is not a number of modes"),
     (lambda: formats.tt(67, 64, 3, in_modes=2), "in_channels=67 has no split into 2 modes "
                                                 "above 1 \\(factors: 67\\)"),
 ])

@@ -99,3 +99,23 @@ def split_modes(channels: int, modes: int | Sequence[int], side: str, chosen: bo
                         hint=f"give {side}_modes=(...) explicitly, {side}_modes=1, or a channel "
                         "count with more factors")
     return sorted(split, reverse=True)
+
+
+SMALL_MODE = 16  # the largest mode "auto" leaves: 768 -> 12 x 8 x 8, 4096 -> 16 x 16 x 16
+
+
+def small_modes(channels: int) -> int:
+    """How many near-equal modes split ``channels`` into modes of at most 16 (the many-small-
+    modes layout of TT-LoRA and LoRETTA): the fewest that do, or the most that have no mode of
+    size 1 where none does (a prime above 16 stays one mode)."""
+    best = 1
+    for n in range(2, max(2, channels.bit_length())):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            split = split_modes(channels, n, "", chosen=False)
+        if 1 in split:
+            break
+        best = n
+        if max(split) <= SMALL_MODE:
+            break
+    return best

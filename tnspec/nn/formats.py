@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from .module import Layer
 
 Rank = int | float | Sequence[int]
-Modes = int | Sequence[int] | None
+Modes = int | Sequence[int] | str | None
 
 
 class Format(NamedTuple):
@@ -68,9 +68,10 @@ def build(format: str, in_channels: int, out_channels: int, kernel_size: IntOrTu
         stride, padding, dilation: as ``nn.Conv2d`` (an int or one per spatial axis);
             ``padding="same"`` for stride 1 and an odd dilated kernel.
         groups: as ``nn.Conv2d``; a parallel index ``g`` on every core.
-        in_modes, out_modes: the channels per group as a product of modes (a tuple), or a
-            number of near-equal modes (an int); default 2 for tt, tr, tt_lora and odd,
-            else 1.
+        in_modes, out_modes: the channels per group as a product of modes (a tuple), a
+            number of near-equal modes (an int), or ``"auto"``: the fewest near-equal modes
+            of at most 16 each (768 -> 12 x 8 x 8; tt gives both sides the larger count).
+            Default ``"auto"`` for tt_lora, 2 for tt, tr and odd, else 1.
         phi: a hyperedge of this size carried by every core (htk2: 4 by default).
         blocks: the number of Tucker terms of ``block_term``.
         rank_multiple: with a float ``rank``, round the rank down to a multiple of this
@@ -95,13 +96,21 @@ def build(format: str, in_channels: int, out_channels: int, kernel_size: IntOrTu
     if in_channels % groups or out_channels % groups:
         raise SpecError(f"groups={groups} does not divide in_channels={in_channels} and "
                         f"out_channels={out_channels}", hint="as in nn.Conv2d")
-    default_modes = {"tt": 2, "tr": 2, "tt_lora": 2, "odd": 2}.get(format, 1)
-    cin = axes.split_modes(in_channels // groups,
-                           default_modes if in_modes is None else in_modes, "in",
-                           chosen=in_modes is not None)
-    cout = axes.split_modes(out_channels // groups,
-                            default_modes if out_modes is None else out_modes, "out",
-                            chosen=out_modes is not None)
+    default_modes = {"tt": 2, "tr": 2, "tt_lora": "auto", "odd": 2}.get(format, 1)
+    ins, outs = (default_modes if m is None else m for m in (in_modes, out_modes))
+    cin_g, cout_g = in_channels // groups, out_channels // groups
+    auto = {side: axes.small_modes(c) for side, m, c in (("in", ins, cin_g), ("out", outs, cout_g))
+            if m == "auto"}
+    for side, m in (("in", ins), ("out", outs)):
+        if isinstance(m, str) and m != "auto":
+            raise SpecError(f"{side}_modes={m!r} is not a number of modes",
+                            hint='give an int, a tuple of mode sizes, or "auto"')
+    if format == "tt" and auto:  # tt pairs the sides: both get the larger count
+        auto = dict.fromkeys(auto, max(auto.values()))
+    cin = axes.split_modes(cin_g, auto.get("in", ins), "in", chosen="in" not in auto
+                           and in_modes is not None)
+    cout = axes.split_modes(cout_g, auto.get("out", outs), "out", chosen="out" not in auto
+                            and out_modes is not None)
     if format == "tt" and len(cin) != len(cout):
         raise SpecError(f"tt pairs input and output modes, got {len(cin)} and {len(cout)}",
                         hint="give in_modes and out_modes of the same length")
