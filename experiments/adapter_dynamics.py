@@ -130,16 +130,70 @@ def equal_rate(model: nn.Module, rate: float) -> nn.Module:
     return model
 
 
+class _FixedNorm(nn.Module):
+    """A core of a fixed Frobenius norm: only its direction learns."""
+
+    def __init__(self, norm: float) -> None:
+        super().__init__()
+        self.norm = norm
+
+    def forward(self, core: torch.Tensor) -> torch.Tensor:
+        return core * (self.norm / core.norm())
+
+
+class _FixedSpectral(nn.Module):
+    """A core whose largest singular value over its unfoldings (each index against the rest)
+    stays at its init value: the bonds cannot align to grow the product."""
+
+    def __init__(self, core: torch.Tensor) -> None:
+        super().__init__()
+        self.sigma = float(self.spectral(core.detach()))
+
+    @staticmethod
+    def spectral(core: torch.Tensor) -> torch.Tensor:
+        return torch.stack([torch.linalg.matrix_norm(core.movedim(d, 0).reshape(
+            core.shape[d], -1), ord=2) for d in range(core.dim())]).max()
+
+    def forward(self, core: torch.Tensor) -> torch.Tensor:
+        return core * (self.sigma / self.spectral(core))
+
+
+def fixed_norms(model: nn.Module, spectral: bool = False) -> nn.Module:
+    """A trial step rule, applied after ``adapt``: every learning core keeps the norm its
+    Graph-in init gave it (``W = |W_0| V / |V|``), so that only the zero core carries the
+    adapter's magnitude. Then ``|delta W| <= |Z| prod |W_i|`` grows with the zero core alone,
+    as LoRA's delta with its B, whatever the number of cores; the other cores turn. With
+    ``spectral``, the largest singular value of every unfolding is what stays (so that the
+    cores cannot align along their bonds either)."""
+    from torch.nn.utils import parametrize
+    for module in model.modules():
+        if isinstance(module, tnspec.Adapted):
+            for name, layer in module.adapters.items():
+                for core, p in list(layer.named_parameters()):
+                    if core != module.zeroed[name]:
+                        fixed = _FixedSpectral(p) if spectral else \
+                            _FixedNorm(float(p.detach().norm()))
+                        parametrize.register_parametrization(layer, core, fixed)
+    return model
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="a tiny version (tests)")
     parser.add_argument("--equal-rate", type=float, default=None, metavar="R",
                         help="a trial step rule: every tnspec adapter reparametrized so that "
                         "the sum over its learning cores of 1 / std is R (the same function)")
+    parser.add_argument("--fixed-norms", action="store_true",
+                        help="a trial step rule: every learning core keeps its init norm")
+    parser.add_argument("--fixed-spectral", action="store_true",
+                        help="a trial step rule: every learning core keeps its init spectral "
+                        "norm (the largest over its unfoldings)")
+    parser.add_argument("--methods", nargs="+", choices=METHODS, help="a subset of the methods")
     args = parser.parse_args(argv)
     started = time.time()
     images = digits(images=True)
     methods = METHODS if base_experiment.peft_available() else METHODS[:-1]
+    methods = tuple(args.methods) if args.methods else methods
     rates, steps = (RATES, 300) if not args.smoke else ((1e-2,), 3)
     if args.smoke:
         images = (images[0][:128], images[1][:128], images[2][:64], images[3][:64])
@@ -159,6 +213,8 @@ def main(argv: list[str] | None = None) -> int:
                 model = base_experiment.adapted(base, method, 0.02)
             if args.equal_rate and method != "peft-lora":
                 equal_rate(model, args.equal_rate)
+            if (args.fixed_norms or args.fixed_spectral) and method != "peft-lora":
+                fixed_norms(model, spectral=args.fixed_spectral)
             rows, acc = watch(model, task, lr, steps)
             runs[(method, lr)] = rows
             at = {r["step"]: r for r in rows}
@@ -171,6 +227,8 @@ def main(argv: list[str] | None = None) -> int:
                                if s <= steps] + ["dead ReLUs: start -> most", "final loss",
                                                  "accuracy"]
     rule = f", every tnspec adapter at equal rate {args.equal_rate:g}" if args.equal_rate else ""
+    rule += ", every learning core at its init norm" if args.fixed_norms else ""
+    rule += ", every learning core at its init spectral norm" if args.fixed_spectral else ""
     text = (f"# Adapter dynamics (digits CNN, adapters at 2%, the 256 -> 256 conv watched{rule})"
             "\n\n"
             "Output ratio: ||scaling * adapter(x)|| / ||base(x)||. Dead ReLUs: the share of the "
@@ -181,7 +239,9 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     if not args.smoke:
         path = save("adapter_dynamics" + (f"_rate{args.equal_rate:g}" if args.equal_rate
-                                          else ""), text, started)
+                                          else "") + ("_fixed_norms" if args.fixed_norms
+                                                      else "")
+                    + ("_fixed_spectral" if args.fixed_spectral else ""), text, started)
         _plot(runs, methods, rates, path.with_suffix(".png"))
     return 0
 

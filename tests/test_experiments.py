@@ -191,3 +191,32 @@ def test_the_fashion_experiments_run_their_smoke_versions(capsys):
         assert module.main(["--data", "fashion", "--smoke"]) == 0
     out = capsys.readouterr().out
     assert "nets > 50% (of 1)" in out and "| odd | 43,402 |" in out
+
+
+@pytest.mark.parametrize("spectral", [False, True])
+def test_the_fixed_norm_trial_rules_keep_the_function_and_each_learning_cores_norm(spectral):
+    """adapter_dynamics --fixed-norms / --fixed-spectral: the same adapter at init; after
+    Adam steps the zero core has moved and every other core keeps its init (spectral) norm."""
+    import tnspec
+    torch.manual_seed(0)
+    model, _ = tnspec.adapt(nn.Sequential(nn.Conv2d(8, 8, 3, padding=1)), "tr", rank=0.5)
+    layer = model[0]
+    x = torch.randn(2, 8, 5, 5)
+    net, zero = layer.adapters["default"], layer.zeroed["default"]
+
+    def size(core: torch.Tensor) -> float:
+        return float(adapter_dynamics._FixedSpectral.spectral(core) if spectral
+                     else core.norm())
+    cores = [n for n, _ in net.named_parameters() if n != zero]
+    before = {n: size(getattr(net, n)) for n in cores}
+    want = model(x)
+    adapter_dynamics.fixed_norms(model, spectral=spectral)
+    torch.testing.assert_close(model(x), want)
+    opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    for _ in range(3):
+        opt.zero_grad()
+        model(x).pow(2).mean().neg().backward()
+        opt.step()
+    assert float(getattr(net, zero).norm()) > 0
+    for n in cores:
+        assert size(getattr(net, n).detach()) == pytest.approx(before[n], rel=1e-4), n
