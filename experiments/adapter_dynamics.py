@@ -158,22 +158,32 @@ class _FixedSpectral(nn.Module):
         return core * (self.sigma / self.spectral(core))
 
 
-def fixed_norms(model: nn.Module, spectral: bool = False) -> nn.Module:
+def _bonds(layer: nn.Module, core: str) -> int:
+    """How many of ``core``'s indices it shares with another core of the adapter's network."""
+    cores = {t.name: {i for axis in t.axes for i in axis} for t in layer.network.cores}
+    others = set().union(*(ix for name, ix in cores.items() if name != core))
+    return len(cores[core] & others)
+
+
+def fixed_norms(model: nn.Module, spectral: bool | str = False) -> nn.Module:
     """A trial step rule, applied after ``adapt``: every learning core keeps the norm its
     Graph-in init gave it (``W = |W_0| V / |V|``), so that only the zero core carries the
     adapter's magnitude. Then ``|delta W| <= |Z| prod |W_i|`` grows with the zero core alone,
     as LoRA's delta with its B, whatever the number of cores; the other cores turn. With
     ``spectral``, the largest singular value of every unfolding is what stays (so that the
-    cores cannot align along their bonds either)."""
+    cores cannot align along their bonds either); with ``spectral="interior"``, only of the
+    cores with two bonds or more (a chain's or ring's inner cores, Tucker's core), where the
+    alignment compounds; the cores at the ends of the graph stay free, as LoRA's A is."""
     from torch.nn.utils import parametrize
     for module in model.modules():
         if isinstance(module, tnspec.Adapted):
             for name, layer in module.adapters.items():
                 for core, p in list(layer.named_parameters()):
-                    if core != module.zeroed[name]:
-                        fixed = _FixedSpectral(p) if spectral else \
-                            _FixedNorm(float(p.detach().norm()))
-                        parametrize.register_parametrization(layer, core, fixed)
+                    if core == module.zeroed[name] or \
+                            (spectral == "interior" and _bonds(layer, core) < 2):
+                        continue
+                    fixed = _FixedSpectral(p) if spectral else _FixedNorm(float(p.detach().norm()))
+                    parametrize.register_parametrization(layer, core, fixed)
     return model
 
 
@@ -188,6 +198,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fixed-spectral", action="store_true",
                         help="a trial step rule: every learning core keeps its init spectral "
                         "norm (the largest over its unfoldings)")
+    parser.add_argument("--fixed-interior", action="store_true",
+                        help="as --fixed-spectral, for the cores with two bonds or more only")
     parser.add_argument("--methods", nargs="+", choices=METHODS, help="a subset of the methods")
     args = parser.parse_args(argv)
     started = time.time()
@@ -213,8 +225,10 @@ def main(argv: list[str] | None = None) -> int:
                 model = base_experiment.adapted(base, method, 0.02)
             if args.equal_rate and method != "peft-lora":
                 equal_rate(model, args.equal_rate)
-            if (args.fixed_norms or args.fixed_spectral) and method != "peft-lora":
-                fixed_norms(model, spectral=args.fixed_spectral)
+            if (args.fixed_norms or args.fixed_spectral or args.fixed_interior) and \
+                    method != "peft-lora":
+                fixed_norms(model, spectral="interior" if args.fixed_interior
+                            else args.fixed_spectral)
             rows, acc = watch(model, task, lr, steps)
             runs[(method, lr)] = rows
             at = {r["step"]: r for r in rows}
@@ -229,6 +243,8 @@ def main(argv: list[str] | None = None) -> int:
     rule = f", every tnspec adapter at equal rate {args.equal_rate:g}" if args.equal_rate else ""
     rule += ", every learning core at its init norm" if args.fixed_norms else ""
     rule += ", every learning core at its init spectral norm" if args.fixed_spectral else ""
+    rule += (", every learning core with two bonds or more at its init spectral norm"
+             if args.fixed_interior else "")
     text = (f"# Adapter dynamics (digits CNN, adapters at 2%, the 256 -> 256 conv watched{rule})"
             "\n\n"
             "Output ratio: ||scaling * adapter(x)|| / ||base(x)||. Dead ReLUs: the share of the "
@@ -241,7 +257,8 @@ def main(argv: list[str] | None = None) -> int:
         path = save("adapter_dynamics" + (f"_rate{args.equal_rate:g}" if args.equal_rate
                                           else "") + ("_fixed_norms" if args.fixed_norms
                                                       else "")
-                    + ("_fixed_spectral" if args.fixed_spectral else ""), text, started)
+                    + ("_fixed_spectral" if args.fixed_spectral else "")
+                    + ("_fixed_interior" if args.fixed_interior else ""), text, started)
         _plot(runs, methods, rates, path.with_suffix(".png"))
     return 0
 

@@ -220,3 +220,16 @@ def test_the_fixed_norm_trial_rules_keep_the_function_and_each_learning_cores_no
     assert float(getattr(net, zero).norm()) > 0
     for n in cores:
         assert size(getattr(net, n).detach()) == pytest.approx(before[n], rel=1e-4), n
+
+
+def test_the_inner_cores_trial_fixes_the_cores_with_two_bonds_and_leaves_the_ends_free():
+    import tnspec
+    torch.manual_seed(0)
+    model, _ = tnspec.adapt(nn.Sequential(nn.Conv2d(16, 16, 3, padding=1)), "tt_lora",
+                            rank=0.5)
+    net = model[0].adapters["default"]  # A[c0, r0], B[r0, c1, r1], C[.., kh, kw, ..], D, E
+    assert {t.name: adapter_dynamics._bonds(net, t.name) for t in net.network.cores} == \
+        {"A": 1, "B": 2, "C": 2, "D": 2, "E": 1}
+    adapter_dynamics.fixed_norms(model, spectral="interior")
+    fixed = {n.split(".")[1] for n, _ in net.named_parameters() if n.startswith("parametriz")}
+    assert fixed == {"B", "C", "D"}  # E is the zero core, A an end
