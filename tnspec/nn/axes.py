@@ -92,7 +92,7 @@ def split_modes(channels: int, modes: int | Sequence[int], side: str, chosen: bo
     if modes > 1 and 1 in split and channels > 1 and not chosen:
         warnings.warn(f"{side}_channels={channels} has too few factors for {modes} modes: "
                       f"using {tuple(sorted(split, reverse=True))}; give {side}_modes= to "
-                      "choose", stacklevel=4)
+                      "choose", stacklevel=5)
     elif modes > 1 and 1 in split and channels > 1:
         raise SpecError(f"{side}_channels={channels} has no split into {modes} modes above 1 "
                         f"(factors: {', '.join(map(str, sorted(factors))) or 'none'})",
@@ -119,3 +119,23 @@ def small_modes(channels: int) -> int:
         if max(split) <= SMALL_MODE:
             break
     return best
+
+
+def channel_modes(cin: int, cout: int, in_modes: object, out_modes: object, default: object,
+                  paired: bool) -> tuple[list[int], list[int]]:
+    """The input and output channels as mode sizes, from ``in_modes``/``out_modes`` (None: the
+    format's ``default``; an int; a tuple; or ``"auto"``: :func:`small_modes`). ``paired``
+    (tt) gives two "auto" sides the same, larger count."""
+    ins, outs = (default if m is None else m for m in (in_modes, out_modes))
+    for side, m in (("in", ins), ("out", outs)):
+        if isinstance(m, str) and m != "auto":
+            raise SpecError(f"{side}_modes={m!r} is not a number of modes",
+                            hint='give an int, a tuple of mode sizes, or "auto"')
+    auto = {side: small_modes(c) for side, m, c in (("in", ins, cin), ("out", outs, cout))
+            if m == "auto"}
+    if paired and auto:
+        auto = dict.fromkeys(auto, max(auto.values()))
+    return (split_modes(cin, auto.get("in", ins), "in",
+                        chosen="in" not in auto and in_modes is not None),
+            split_modes(cout, auto.get("out", outs), "out",
+                        chosen="out" not in auto and out_modes is not None))

@@ -97,20 +97,8 @@ def build(format: str, in_channels: int, out_channels: int, kernel_size: IntOrTu
         raise SpecError(f"groups={groups} does not divide in_channels={in_channels} and "
                         f"out_channels={out_channels}", hint="as in nn.Conv2d")
     default_modes = {"tt": 2, "tr": 2, "tt_lora": "auto", "odd": 2}.get(format, 1)
-    ins, outs = (default_modes if m is None else m for m in (in_modes, out_modes))
-    cin_g, cout_g = in_channels // groups, out_channels // groups
-    auto = {side: axes.small_modes(c) for side, m, c in (("in", ins, cin_g), ("out", outs, cout_g))
-            if m == "auto"}
-    for side, m in (("in", ins), ("out", outs)):
-        if isinstance(m, str) and m != "auto":
-            raise SpecError(f"{side}_modes={m!r} is not a number of modes",
-                            hint='give an int, a tuple of mode sizes, or "auto"')
-    if format == "tt" and auto:  # tt pairs the sides: both get the larger count
-        auto = dict.fromkeys(auto, max(auto.values()))
-    cin = axes.split_modes(cin_g, auto.get("in", ins), "in", chosen="in" not in auto
-                           and in_modes is not None)
-    cout = axes.split_modes(cout_g, auto.get("out", outs), "out", chosen="out" not in auto
-                            and out_modes is not None)
+    cin, cout = axes.channel_modes(in_channels // groups, out_channels // groups, in_modes,
+                                   out_modes, default_modes, paired=format == "tt")
     if format == "tt" and len(cin) != len(cout):
         raise SpecError(f"tt pairs input and output modes, got {len(cin)} and {len(cout)}",
                         hint="give in_modes and out_modes of the same length")
