@@ -187,6 +187,44 @@ def fixed_norms(model: nn.Module, spectral: bool | str = False) -> nn.Module:
     return model
 
 
+DRIFT_FORMATS = ("low_rank", "cp", "tucker2", "tt", "tr", "tt_lora")
+DRIFT_RULES = (None, False, True, "interior")  # as built, norms, spectral, inner cores
+
+
+def drift(fmt: str, share: float, rule: bool | str | None, steps: int = 60) -> float:
+    """The pure-drift probe: one 64-channel 3x3 conv with ``fmt`` adapters at ``share``, Adam
+    1e-2 on a loss whose gradient keeps its direction (the trap's first phase); the adapter's
+    output over the base's after ``steps`` steps. ``rule``: None as ``adapt`` builds it, else
+    :func:`fixed_norms`' ``spectral``."""
+    torch.manual_seed(0)
+    base = nn.Conv2d(64, 64, 3, padding=1)
+    x = torch.randn(32, 64, 8, 8)
+    direction = torch.randn(1, 64, 1, 1)
+    torch.manual_seed(1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model, _ = tnspec.adapt(nn.Sequential(base), fmt, rank=share)
+    if rule is not None:
+        fixed_norms(model, spectral=rule)
+    opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    for _ in range(steps):
+        opt.zero_grad()
+        (-(model(x) * direction).mean()).backward()
+        opt.step()
+    with torch.no_grad():
+        dense = model[0].base(x)
+        return float((model(x) - dense).norm() / dense.norm())
+
+
+def _drift_table(shares: tuple[float, ...] = (0.05, 0.2)) -> str:
+    rows = [(fmt, f"{share:g}", *(f"{drift(fmt, share, rule):.3g}" for rule in DRIFT_RULES))
+            for share in shares for fmt in DRIFT_FORMATS]
+    return ("Pure drift: the adapter's output over the base's after 60 Adam steps (lr 1e-2) "
+            "whose gradient keeps its direction, one 64-channel 3x3 conv:\n\n"
+            + markdown_table(["format", "adapters' share", "as adapt builds it", "fixed norms",
+                              "fixed spectral norms", "inner cores' spectral norms"], rows))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="a tiny version (tests)")
@@ -201,7 +239,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fixed-interior", action="store_true",
                         help="as --fixed-spectral, for the cores with two bonds or more only")
     parser.add_argument("--methods", nargs="+", choices=METHODS, help="a subset of the methods")
+    parser.add_argument("--drift", action="store_true",
+                        help="only the pure-drift probe of the trial rules (about a minute)")
     args = parser.parse_args(argv)
+    if args.drift:
+        print(_drift_table())
+        return 0
     started = time.time()
     images = digits(images=True)
     methods = METHODS if base_experiment.peft_available() else METHODS[:-1]

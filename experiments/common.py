@@ -86,11 +86,7 @@ def train(model: nn.Module, data: Sequence[torch.Tensor],
             loss.backward()
             opt.step()
             total, seen = total + loss.item() * len(idx), seen + len(idx)
-        model.eval()
-        with torch.no_grad():
-            logits = model(x_te)
-            test_loss = loss_fn(logits, y_te).item()
-            acc = (logits.argmax(1) == y_te).float().mean().item()
+        test_loss, acc = _evaluate(model, x_te, y_te, loss_fn)
         hist.train_loss.append(total / seen)
         hist.test_loss.append(test_loss)
         hist.test_acc.append(acc)

@@ -233,3 +233,11 @@ def test_the_inner_cores_trial_fixes_the_cores_with_two_bonds_and_leaves_the_end
     adapter_dynamics.fixed_norms(model, spectral="interior")
     fixed = {n.split(".")[1] for n, _ in net.named_parameters() if n.startswith("parametriz")}
     assert fixed == {"B", "C", "D"}  # E is the zero core, A an end
+
+
+def test_the_drift_probe_shows_the_ring_running_away_unless_its_spectral_norms_are_fixed():
+    """adapter_dynamics --drift, the figures behind docs/adapters.md's table, on two formats."""
+    built = adapter_dynamics.drift("tr", 0.05, None, steps=30)
+    spectral = adapter_dynamics.drift("tr", 0.05, True, steps=30)
+    lora = adapter_dynamics.drift("low_rank", 0.05, None, steps=30)
+    assert built > 20 * lora and spectral < 5 * lora, (built, spectral, lora)
