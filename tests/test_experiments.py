@@ -74,6 +74,14 @@ def test_every_experiment_command_runs_its_smoke_version(capsys):
     assert "| tt | 0.01 |" in out  # adapter_dynamics' row
 
 
+def test_the_rates_experiment_runs_its_smoke_version_with_and_without_the_rule(capsys):
+    from experiments import adapter_rates
+    assert adapter_rates.main(["--smoke", "--workers", "1", "--methods", "tt",
+                               "tt +rule", "tt +rule, raw at init"]) == 0
+    out = capsys.readouterr().out
+    assert "| tt +rule | 13,850 (1.78%) |" in out and "| 0.01 |" in out
+
+
 def test_training_is_reproducible_from_the_seeds():
     """Same seeds, same numbers: the committed tables can be reproduced."""
     from experiments.common import train
@@ -103,7 +111,7 @@ def test_the_real_model_experiments_run_their_smoke_versions(name, capsys):
     except assets.Missing as exc:
         pytest.skip(str(exc))
     out = capsys.readouterr().out
-    assert "| original |" in out
+    assert ("| tnspec tt |" if name == "minilm_adapters" else "| original |") in out
 
 
 def test_the_trial_step_rule_changes_the_parametrization_not_the_function():

@@ -171,7 +171,10 @@ def test_stages_import_only_what_they_need():
     assert not {d for d in graph["workflows.adapters"] if d.startswith(("planning.", "emit."))}
     assert graph["workflows.adapter_state"] <= {"errors", "shapes", "nn.api",
                                                 "workflows.adapted", "workflows.adapters",
-                                                "workflows.dense_layers", "workflows.merge"}
+                                                "workflows.dense_layers", "workflows.merge",
+                                                "workflows.step_rule"}
+    # the step rule: a parametrization of an adapter's cores, knowing no workflow
+    assert graph["workflows.step_rule"] <= {"errors", "nn.module"}
     # which modules are dense layers: below every workflow, knowing none
     assert graph["workflows.dense_layers"] <= {"errors"}
     # every workflow may know the Adapted module; it knows none of them
@@ -191,7 +194,7 @@ def test_stages_import_only_what_they_need():
     assert graph["workflows.lora_export"] <= {"errors", "workflows.adapted",
                                               "workflows.dense_layers"}
     assert graph["workflows.hotswap"] <= {"errors", "workflows.adapted",
-                                          "workflows.adapter_state"}
+                                          "workflows.adapter_state", "workflows.step_rule"}
     assert "__init__" not in set().union(*(d for m, d in graph.items() if m != "__main__"))
 
 

@@ -21,7 +21,9 @@ if TYPE_CHECKING:
 def dense_weight(layer: Layer) -> torch.Tensor:
     """The layer's equivalent dense weight, differentiable in its cores (see
     :meth:`Layer.dense_weight`)."""
-    network, cores = layer.network, dict(layer.named_parameters())
+    # read as attributes: a core under a parametrization is read as the network reads it
+    network = layer.network
+    cores = {c.name: getattr(layer, c.name) for c in network.cores}
     if not network.lookup:
         return decompose.dense_weight(network, cores)
     table = decompose.lookup_table(network, cores)[:network.vocabulary]

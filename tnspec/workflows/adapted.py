@@ -111,7 +111,8 @@ class Saved(nn.Module):
 def delta_weight(layer: Layer, scaling: float) -> torch.Tensor:
     """``scaling`` times the adapter ``layer`` as a dense weight, from float64 copies of its
     cores (what merging adds to the base weight)."""
-    cores = {n: p.detach().double() for n, p in layer.named_parameters() if n != "bias"}
+    # as attributes: a core bounded by a step rule is read as the network reads it
+    cores = {c.name: getattr(layer, c.name).detach().double() for c in layer.network.cores}
     return decompose.dense_weight(layer.network, cores) * scaling
 
 

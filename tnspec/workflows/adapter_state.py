@@ -23,6 +23,7 @@ from .adapted import Adapted, Saved, adapted_modules, parts, set_adapter
 from .adapters import TensorizedConv, TensorizedLinear, _geometry_differs, _padding
 from .dense_layers import is_dense, is_linear, kind_names, stored, weight_of
 from .merge import parameter_holders, set_submodule
+from . import step_rule
 
 FORMAT = "tnspec-adapters/2"  # the tag of adapter_config's layout
 _NESTED = "tnspec-adapters/1"  # the nested dict adapter_state_dict returned before
@@ -137,7 +138,10 @@ def adapter_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
         for key, part in parts(module).items():
             prefix = ".".join(filter(None, [path, "adapters" if isinstance(module, Adapted)
                                             else "copies", key]))
-            state |= {f"{prefix}.{n}": t.detach() for n, t in part.state_dict().items()}
+            # an adapter's cores by their own names (a bounded one: the tensor that trains;
+            # its bound is in the config)
+            tensors = step_rule.raw(part) if isinstance(module, Adapted) else part.state_dict()
+            state |= {f"{prefix}.{n}": t.detach() for n, t in tensors.items()}
     return state
 
 
@@ -156,6 +160,7 @@ def adapter_config(model: nn.Module) -> dict[str, Any]:
                   "scaling": module.scaling[key], "zeroed": module.zeroed[key],
                   "pad": None if module.pads[key] is None else
                   [list(module.pads[key][0]), module.pads[key][1]]}
+            | ({"bounds": step_rule.bounds(layer)} if step_rule.bounds(layer) else {})
             for key, layer in module.adapters.items()}}
     return {"format": FORMAT, "layers": layers, "saved": saved}
 
@@ -289,6 +294,14 @@ def _rebuilt(base: nn.Module, path: str, key: str, saved: Mapping[str, Any],
                             f"expected {tuple(p.shape)}")
         with torch.no_grad():
             p.copy_(cores[n])
+    sigmas = saved.get("bounds") or {}
+    if sigmas:
+        expected = step_rule.inner(layer, saved["zeroed"])
+        if sorted(sigmas) != sorted(expected):
+            raise SpecError(f"adapter {key!r} of layer {path!r}: the config bounds cores "
+                            f"{sorted(sigmas)}, but its inner cores are {sorted(expected)}",
+                            hint="give the config saved with these tensors")
+        step_rule.bound(layer, step_rule.RULES[0], saved["zeroed"], sigmas)
     return layer
 
 

@@ -35,6 +35,7 @@ from ..nn.module import Layer
 from .adapted import Adapted, Saved, inside_adapted, set_adapter
 from .dense_layers import check_forward, features, is_dense, is_linear, kind_names, weight_of
 from .merge import parameter_holders, set_submodule
+from . import step_rule as step_rule_
 from .left_alone import read_directly
 from .tensorize import Selector, TensorizedConv, TensorizedLinear, _selected, first_skipped
 
@@ -91,7 +92,7 @@ def adapt(model: nn.Module, fmt: Fmt = "low_rank", *, rank: int | float | None =
           include: Selector = None, exclude: Selector = None, scale: float = 1.0,
           name: str = "default", zero: str | None = None,
           sizes: Mapping[str, int] | None = None, modules_to_save: Selector = None,
-          **options: Any) -> tuple[nn.Module, AdaptReport]:
+          step_rule: str | None = None, **options: Any) -> tuple[nn.Module, AdaptReport]:
     """Add adapter ``name`` to every ``nn.Linear`` / ``nn.Conv1d/2d/3d`` of ``model`` selected by
     ``include``/``exclude`` (as :func:`tnspec.tensorize`), in place: each becomes an
     :class:`Adapted` module (or gets one more adapter), and every parameter of the model other
@@ -112,6 +113,9 @@ def adapt(model: nn.Module, fmt: Fmt = "low_rank", *, rank: int | float | None =
     At init the adapter is exactly zero (its core ``zero``, by default the output-side one, is
     zero), so the model computes what it did, bit for bit. Once the zero core reaches its
     Graph-in scale, the adapter's output variance is ``scale`` times the base layer's.
+    ``step_rule="spectral"`` holds the adapter's inner cores (those with two bonds or more) at
+    their init spectral norm while they train, so that a chain's or ring's cores cannot
+    align to grow the product by orders of magnitude (:mod:`~tnspec.workflows.step_rule`).
 
     ``modules_to_save`` (names, glob patterns or a function of ``(name, module)``, as
     ``include``; a name also matches at the end of a longer one, ``"classifier"`` matching
@@ -147,6 +151,7 @@ def adapt(model: nn.Module, fmt: Fmt = "low_rank", *, rank: int | float | None =
                         f"{', '.join(formats.NAMES)} (LoRA is low_rank), or write a spec")
     if rank is not None:
         formats.check_rank(rank)
+    step_rule_.check(step_rule)
     to_save = _to_save(model, modules_to_save, name)
     adapted, skipped, wrapped = [], [], {}
     left_alone = read_directly(model)
@@ -179,6 +184,7 @@ def adapt(model: nn.Module, fmt: Fmt = "low_rank", *, rank: int | float | None =
             check_forward(module)
             layer, scaling, pad, zeroed, note = adapter_layer(module, fmt, rank, scale, zero,
                                                               sizes, options)
+            step_rule_.bound(layer, step_rule, zeroed)
         except SpecError as exc:
             skipped.append((path or type(module).__name__, exc.message))
             continue

@@ -19,6 +19,7 @@ from torch import nn
 from ..errors import SpecError
 from .adapted import Adapted, Saved, adapted_modules
 from .adapter_state import FORMAT
+from . import step_rule
 
 
 def hotswap(model: nn.Module, state: Mapping[str, torch.Tensor], config: Mapping[str, Any],
@@ -87,7 +88,9 @@ def _layer_writes(path: str, module: Adapted, state: Mapping[str, torch.Tensor],
     saved, layer = entry["adapters"][key], module.adapters[into]
     for what, have, given in (("network", layer.spec, saved["spec"]),
                               ("sizes", dict(layer.sizes), saved["sizes"]),
-                              ("zeroed core", module.zeroed[into], saved["zeroed"])):
+                              ("zeroed core", module.zeroed[into], saved["zeroed"]),
+                              ("bounded cores (step_rule)", sorted(step_rule.bounds(layer)),
+                               sorted(saved.get("bounds") or {}))):
         if have != given:
             raise SpecError(f"hotswap: layer {path!r}: the saved adapter's {what} is "
                             f"{given!r}, adapter {into!r} has {have!r}",
@@ -96,7 +99,7 @@ def _layer_writes(path: str, module: Adapted, state: Mapping[str, torch.Tensor],
     prefix = ".".join(filter(None, [path, "adapters", key])) + "."
     ratio = float(saved["scaling"]) / module.scaling[into]
     writes = []
-    for core, p in layer.named_parameters():
+    for core, p in step_rule.raw(layer).items():
         value = state.get(prefix + core)
         if value is None or tuple(value.shape) != tuple(p.shape):
             raise SpecError(f"hotswap: layer {path!r}: core {core} is " + (
@@ -105,6 +108,9 @@ def _layer_writes(path: str, module: Adapted, state: Mapping[str, torch.Tensor],
         if core == module.zeroed[into]:  # its scaling, folded into the core it multiplies
             value = value.double() * ratio
         writes.append((p, value.to(p.device, p.dtype)))
+    for core, sigma in step_rule.sigma_buffers(layer).items():
+        writes.append((sigma, torch.tensor(float(saved["bounds"][core]), dtype=sigma.dtype,
+                                           device=sigma.device)))
     return writes
 
 
