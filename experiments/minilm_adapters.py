@@ -5,6 +5,8 @@ same trainable parameters, on the same batches, one learning rate (AdamW 1e-3), 
 
     python -m experiments.minilm_adapters            # ~40 min alone on 2 cores
     python -m experiments.minilm_adapters --smoke
+    python -m experiments.minilm_adapters --seeds 2 --rates 1e-3 3e-3 1e-2 \\
+        --methods tt "tt +rule" tr "tr +rule" LoRA   # the step rule at three rates
 """
 
 from __future__ import annotations
@@ -71,10 +73,11 @@ def matched_rank(base: Classifier, method: str, trainable: int) -> int:
     return best[0]
 
 
-def run(model: nn.Module, batches: list[dict], test: list[dict], y_test: torch.Tensor
-        ) -> tuple[float, float, float]:
-    """Train on ``batches``; ``(test accuracy, final training loss, ms per step)``."""
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+def run(model: nn.Module, batches: list[dict], test: list[dict], y_test: torch.Tensor,
+        lr: float = 1e-3) -> tuple[float, float, float]:
+    """Train on ``batches``; ``(test accuracy, final training loss, ms per step)``; a loss
+    that is not finite ends the training (the final loss reads nan)."""
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
     model.train()
     losses = []
     start = time.perf_counter()
@@ -82,6 +85,9 @@ def run(model: nn.Module, batches: list[dict], test: list[dict], y_test: torch.T
         labels = batch.pop("labels")
         loss = nn.functional.cross_entropy(model(**batch), labels)
         batch["labels"] = labels
+        if not torch.isfinite(loss):
+            losses.append(float("nan"))
+            break
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -100,6 +106,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", type=int, default=3, help="how many seeds (3)")
     parser.add_argument("--steps", type=int, default=200, help="training steps (200)")
     parser.add_argument("--test", type=int, default=1000, help="held-out snippets (1000)")
+    parser.add_argument("--rates", type=float, nargs="+", default=[1e-3],
+                        help="AdamW learning rates (1e-3)")
+    parser.add_argument("--methods", nargs="+", default=None,
+                        help="a subset: tnspec formats (a format followed by ' +rule': with "
+                        "step_rule='spectral') and LoRA, LoHa, LoKr")
     args = parser.parse_args(argv)
     started = time.time()
     encoder, tokenizer = assets.minilm()
@@ -107,7 +118,9 @@ def main(argv: list[str] | None = None) -> int:
     order = torch.randperm(len(texts), generator=torch.Generator().manual_seed(0))
     steps, n_test, seeds = (2, 32, (0,)) if args.smoke else \
         (args.steps, args.test, tuple(range(args.seeds)))
-    methods = ("tt", "LoRA") if args.smoke else (*TNSPEC, *PEFT)
+    methods = tuple(args.methods) if args.methods else \
+        ("tt", "LoRA") if args.smoke else (*TNSPEC, *PEFT)
+    rates = tuple(args.rates)
     test_idx = order[:n_test]
 
     def tokens(idx: torch.Tensor) -> dict:
@@ -120,7 +133,8 @@ def main(argv: list[str] | None = None) -> int:
         b.pop("labels")
     y_test = labels[test_idx]
     pool = order[n_test:]
-    results: dict[str, list[tuple[float, float, float, int]]] = {m: [] for m in methods}
+    results: dict[tuple[str, float], list[tuple[float, float, float, int]]] = {
+        (m, lr): [] for m in methods for lr in rates}
     for seed in seeds:
         gen = torch.Generator().manual_seed(seed)
         batches = [tokens(pool[torch.randint(0, len(pool), (16,), generator=gen)])
@@ -129,39 +143,49 @@ def main(argv: list[str] | None = None) -> int:
         base = Classifier(copy.deepcopy(encoder))  # the same head init for every method
         reference = None
         for method in methods:
-            model = copy.deepcopy(base)
-            if method in TNSPEC:
-                model, report = tnspec.adapt(model, method, rank=SHARE,
-                                             include=lambda n, m: n in targets(base),
-                                             modules_to_save=["head"])
-                reference = reference or report.trainable
-            else:
-                r = matched_rank(base, method, reference or 120_000)
-                model = peft_model(model, method, r)
-            trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-            acc, loss, ms = run(model, copy.deepcopy(batches), test, y_test)
-            results[method].append((acc, loss, ms, trainable))
-            print(seed, method, trainable, f"{acc:.3f}", f"{loss:.3f}", f"{ms:.0f} ms",
-                  flush=True)
+            fmt = method.removesuffix(" +rule")
+            for lr in rates:
+                model = copy.deepcopy(base)
+                if fmt in TNSPEC or fmt in tnspec.formats.NAMES:
+                    model, report = tnspec.adapt(
+                        model, fmt, rank=SHARE, include=lambda n, m: n in targets(base),
+                        modules_to_save=["head"],
+                        step_rule="spectral" if method.endswith(" +rule") else None)
+                    reference = reference or report.trainable
+                else:
+                    r = matched_rank(base, method, reference or 120_000)
+                    model = peft_model(model, method, r)
+                trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+                acc, loss, ms = run(model, copy.deepcopy(batches), test, y_test, lr)
+                results[(method, lr)].append((acc, loss, ms, trainable))
+                print(seed, method, lr, trainable, f"{acc:.3f}", f"{loss:.3f}",
+                      f"{ms:.0f} ms", flush=True)
     rows = []
-    for method, runs in results.items():
+    for (method, lr), runs in results.items():
         accs = [r[0] for r in runs]
-        rows.append((("tnspec " if method in TNSPEC else "PEFT ") + method,
+        rows.append(((("tnspec " if method not in PEFT else "PEFT ") + method),
+                     *((f"{lr:g}",) if len(rates) > 1 else ()),
                      f"{runs[0][3]:,}", statistics.mean(accs),
                      statistics.pstdev(accs) if len(accs) > 1 else 0.0,
                      ", ".join(f"{a:.3f}" for a in accs),
                      statistics.mean(r[1] for r in runs),
                      f"{statistics.median(r[2] for r in runs):.0f}"))
+    rate_text = ", ".join(f"{lr:g}" for lr in rates)
     text = ("# all-MiniLM-L6-v2 fine-tuned on Rotten Tomatoes with adapters\n\n"
             f"Adapters on the encoder's 36 linear layers and a new linear head on the "
             f"mean-pooled embedding (trained in full); {steps} steps of 16 snippets (at most "
-            f"48 tokens), AdamW 1e-3, seeds {', '.join(map(str, seeds))}; accuracy on "
-            f"{n_test:,} held-out snippets. Trainable parameters include the head (770).\n\n"
-            + markdown_table(["method", "trainable", "accuracy (mean)", "std", "per seed",
-                              "final train loss", "ms per step"], rows))
+            f"48 tokens), AdamW {rate_text}, seeds {', '.join(map(str, seeds))}; accuracy on "
+            f"{n_test:,} held-out snippets (0.5 is chance). Trainable parameters include the "
+            "head (770). +rule: `adapt(step_rule=\"spectral\")`. Final train loss: the mean "
+            "of the last 20 steps; nan where a loss was not finite.\n\n"
+            + markdown_table(["method", *(["lr"] if len(rates) > 1 else []), "trainable",
+                              "accuracy (mean)", "std", "per seed", "final train loss",
+                              "ms per step"], rows))
     print(text)
     if not args.smoke:  # a smoke run writes nothing
-        print(f"wrote {save('minilm_adapters', text, started)}")
+        name = "minilm_adapters" if rates == (1e-3,) and not args.methods else \
+            "minilm_adapters_rates"
+        print(f"wrote {save(name, text, started)}")
     return 0
 
 

@@ -109,12 +109,14 @@ class Workflows(RuleBasedStateMachine):
 
     # ---- rules ------------------------------------------------------------------------------
 
-    @rule(fmt=st.sampled_from(["low_rank", "cp", "tucker2", "tt"]), name=st.sampled_from(NAMES),
-          rank=st.sampled_from([1, 2, 0.5, 0]))  # 0: no rank, refused
-    def adapt(self, fmt: str, name: str, rank: float) -> None:
+    @rule(fmt=st.sampled_from(["low_rank", "cp", "tucker2", "tt", "tr"]),
+          name=st.sampled_from(NAMES), rank=st.sampled_from([1, 2, 0.5, 0]),  # 0: refused
+          step_rule=st.sampled_from([None, "spectral"]))
+    def adapt(self, fmt: str, name: str, rank: float, step_rule: str | None) -> None:
         # the new adapter is zero and becomes the active one: the outputs stay where none was
         active = any(m.active for m in self.adapters())
-        self.attempt(lambda m: tnspec.adapt(m, fmt, rank=rank, name=name)[0], not active)
+        self.attempt(lambda m: tnspec.adapt(m, fmt, rank=rank, name=name,
+                                            step_rule=step_rule)[0], not active)
 
     @rule(name=st.sampled_from(NAMES + ("typo",)))
     def set_adapter(self, name: str) -> None:
