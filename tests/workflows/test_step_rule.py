@@ -133,9 +133,11 @@ def _fresh() -> nn.Module:
 def test_state_and_config_keep_the_bounds_and_reload_bit_for_bit(fmt):
     model, x = _trained(fmt, seed=1), torch.randn(3, 8, 5, 5)
     state, config = tnspec.adapter_state_dict(model), tnspec.adapter_config(model)
-    assert all("parametrizations" not in k and "sigma" not in k for k in state)  # core names
+    # named as the model's own state_dict names them: the originals and the bounds
+    assert state.keys() == {k for k in model.state_dict() if ".adapters." in k}
+    assert any(k.endswith(".0.sigma") for k in state)
     config = json.loads(json.dumps(config))
-    assert config["layers"]["0"]["adapters"]["default"]["bounds"]
+    assert config["layers"]["0"]["adapters"]["default"]["step_rule"] == "spectral"
     loaded = tnspec.load_adapters(_fresh(), state, config)
     assert torch.equal(loaded(x), model(x))
     assert step_rule.bounds(loaded[0].adapters["default"]) == \
@@ -149,13 +151,18 @@ def test_state_and_config_keep_the_bounds_and_reload_bit_for_bit(fmt):
         assert float(step_rule.spectral(core.detach())) == pytest.approx(sigma, rel=1e-5)
 
 
-def test_a_config_whose_bounds_do_not_fit_is_refused_and_the_model_stays_as_it_was():
+def test_a_config_that_leaves_out_the_rule_is_refused_and_the_model_stays_as_it_was():
     model = _trained("tt", seed=1)
     state, config = tnspec.adapter_state_dict(model), tnspec.adapter_config(model)
-    config["layers"]["0"]["adapters"]["default"]["bounds"] = {"A": 1.0}
+    del config["layers"]["0"]["adapters"]["default"]["step_rule"]
     fresh = _fresh()
     before = snapshot(fresh)
-    with pytest.raises(tnspec.SpecError, match=r"bounds cores \['A'\].*inner cores are \['B'\]"):
+    with pytest.raises(tnspec.SpecError, match=r"(?s)'default' of layer '0': B is missing.*"
+                       r"parametrizations.<core>.original"):
+        tnspec.load_adapters(fresh, state, config)
+    assert unchanged(before, fresh)
+    config["layers"]["0"]["adapters"]["default"]["step_rule"] = "muP"
+    with pytest.raises(tnspec.SpecError, match=r"(?s)step_rule 'muP'.*upgrade tnspec"):
         tnspec.load_adapters(fresh, state, config)
     assert unchanged(before, fresh)
 
@@ -163,13 +170,14 @@ def test_a_config_whose_bounds_do_not_fit_is_refused_and_the_model_stays_as_it_w
 def test_hotswap_writes_the_bounds_and_refuses_an_adapter_without_them():
     model, other, x = _trained("tr", seed=1), _trained("tr", seed=2), torch.randn(3, 8, 5, 5)
     with torch.no_grad():  # another bound, so that writing it matters
-        for sigma in step_rule.sigma_buffers(other[0].adapters["default"]).values():
-            sigma.mul_(1.5)
+        for name in step_rule.bounds(other[0].adapters["default"]):
+            getattr(other[0].adapters["default"].parametrizations, name)[0].sigma.mul_(1.5)
     tnspec.hotswap(model, tnspec.adapter_state_dict(other), tnspec.adapter_config(other))
     torch.testing.assert_close(model(x), other(x), rtol=1e-5, atol=1e-6)
     free = _trained("tr", seed=3, rule=None)
     before = snapshot(model)
-    with pytest.raises(tnspec.SpecError, match=r"bounded cores \(step_rule\)"):
+    with pytest.raises(tnspec.SpecError, match=r"saved adapter's step_rule is None, adapter "
+                       r"'default' has 'spectral'"):
         tnspec.hotswap(model, tnspec.adapter_state_dict(free), tnspec.adapter_config(free))
     assert unchanged(before, model)
 

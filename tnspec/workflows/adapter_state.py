@@ -138,10 +138,7 @@ def adapter_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
         for key, part in parts(module).items():
             prefix = ".".join(filter(None, [path, "adapters" if isinstance(module, Adapted)
                                             else "copies", key]))
-            # an adapter's cores by their own names (a bounded one: the tensor that trains;
-            # its bound is in the config)
-            tensors = step_rule.raw(part) if isinstance(module, Adapted) else part.state_dict()
-            state |= {f"{prefix}.{n}": t.detach() for n, t in tensors.items()}
+            state |= {f"{prefix}.{n}": t.detach() for n, t in part.state_dict().items()}
     return state
 
 
@@ -160,7 +157,7 @@ def adapter_config(model: nn.Module) -> dict[str, Any]:
                   "scaling": module.scaling[key], "zeroed": module.zeroed[key],
                   "pad": None if module.pads[key] is None else
                   [list(module.pads[key][0]), module.pads[key][1]]}
-            | ({"bounds": step_rule.bounds(layer)} if step_rule.bounds(layer) else {})
+            | ({"step_rule": step_rule.rule_of(layer)} if step_rule.rule_of(layer) else {})
             for key, layer in module.adapters.items()}}
     return {"format": FORMAT, "layers": layers, "saved": saved}
 
@@ -287,21 +284,30 @@ def _rebuilt(base: nn.Module, path: str, key: str, saved: Mapping[str, Any],
                         hint="load it onto a copy of the model it was trained on")
     cls = TensorizedLinear if is_linear(base) else TensorizedConv
     layer = cls(net, dtype=base.weight.dtype, device=base.weight.device)
-    for n, p in layer.named_parameters():
-        if n not in cores or tuple(cores[n].shape) != tuple(p.shape):
-            raise SpecError(f"adapter {key!r} of layer {path!r}: core {n} is "
+    rule = saved.get("step_rule")
+    if rule not in (None, *step_rule.RULES):
+        raise SpecError(f"adapter {key!r} of layer {path!r} was trained under step_rule "
+                        f"{rule!r}, which this tnspec does not know",
+                        hint=f"it knows {', '.join(step_rule.RULES)}: upgrade tnspec")
+    step_rule.bound(layer, rule, saved["zeroed"])  # its bounds are loaded with the cores
+    expected = layer.state_dict()
+    for n, t in expected.items():
+        if n not in cores or tuple(cores[n].shape) != tuple(t.shape):
+            raise SpecError(f"adapter {key!r} of layer {path!r}: {n} is "
                             f"{'missing' if n not in cores else tuple(cores[n].shape)}, "
-                            f"expected {tuple(p.shape)}")
-        with torch.no_grad():
-            p.copy_(cores[n])
-    sigmas = saved.get("bounds") or {}
-    if sigmas:
-        expected = step_rule.inner(layer, saved["zeroed"])
-        if sorted(sigmas) != sorted(expected):
-            raise SpecError(f"adapter {key!r} of layer {path!r}: the config bounds cores "
-                            f"{sorted(sigmas)}, but its inner cores are {sorted(expected)}",
-                            hint="give the config saved with these tensors")
-        step_rule.bound(layer, step_rule.RULES[0], saved["zeroed"], sigmas)
+                            f"expected {tuple(t.shape)}",
+                            hint="give the config saved with these tensors (a bounded core "
+                            "is saved as parametrizations.<core>.original, with its bound "
+                            "as parametrizations.<core>.0.sigma)")
+    extra = sorted(set(cores) - set(expected))
+    if extra:
+        raise SpecError(f"adapter {key!r} of layer {path!r}: the state has {extra[0]!r}, "
+                        "which this adapter does not hold",
+                        hint="give the config saved with these tensors (it says whether "
+                        "a step_rule bounds the cores)")
+    with torch.no_grad():
+        for n, t in expected.items():
+            t.copy_(cores[n])
     return layer
 
 

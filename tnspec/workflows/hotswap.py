@@ -89,8 +89,7 @@ def _layer_writes(path: str, module: Adapted, state: Mapping[str, torch.Tensor],
     for what, have, given in (("network", layer.spec, saved["spec"]),
                               ("sizes", dict(layer.sizes), saved["sizes"]),
                               ("zeroed core", module.zeroed[into], saved["zeroed"]),
-                              ("bounded cores (step_rule)", sorted(step_rule.bounds(layer)),
-                               sorted(saved.get("bounds") or {}))):
+                              ("step_rule", step_rule.rule_of(layer), saved.get("step_rule"))):
         if have != given:
             raise SpecError(f"hotswap: layer {path!r}: the saved adapter's {what} is "
                             f"{given!r}, adapter {into!r} has {have!r}",
@@ -99,7 +98,7 @@ def _layer_writes(path: str, module: Adapted, state: Mapping[str, torch.Tensor],
     prefix = ".".join(filter(None, [path, "adapters", key])) + "."
     ratio = float(saved["scaling"]) / module.scaling[into]
     writes = []
-    for core, p in step_rule.raw(layer).items():
+    for core, p in layer.state_dict(keep_vars=True).items():  # a bound's sigma included
         value = state.get(prefix + core)
         if value is None or tuple(value.shape) != tuple(p.shape):
             raise SpecError(f"hotswap: layer {path!r}: core {core} is " + (
@@ -108,9 +107,6 @@ def _layer_writes(path: str, module: Adapted, state: Mapping[str, torch.Tensor],
         if core == module.zeroed[into]:  # its scaling, folded into the core it multiplies
             value = value.double() * ratio
         writes.append((p, value.to(p.device, p.dtype)))
-    for core, sigma in step_rule.sigma_buffers(layer).items():
-        writes.append((sigma, torch.tensor(float(saved["bounds"][core]), dtype=sigma.dtype,
-                                           device=sigma.device)))
     return writes
 
 

@@ -13,15 +13,14 @@ The bound is a :mod:`torch.nn.utils.parametrize` parametrization: the optimizer 
 ``original``; the network reads ``original * sigma / spectral(original)``, whatever the
 original's scale. The original is stored at unit RMS, so that Adam, moving each element by
 about ``lr``, turns every bounded core by about ``lr`` per step, whatever its size, its rank
-and the number of cores (stored at its Graph-in std, about 0.1, a ring's four inner cores
-turned ten times as fast and trained worse; docs/adapters.md). ``sigma`` is a
-buffer, saved in :func:`tnspec.adapter_config` and restored by ``load_adapters`` and
-``hotswap``; :func:`raw` and :func:`values` give the cores by name whether bounded or not.
+and the number of cores (stored at its Graph-in std, about 0.1, the cores turned about ten
+times as fast, and TR and tt_lora trained worse; docs/adapters.md). ``sigma`` is a
+buffer: ``adapter_state_dict`` holds it as the model's ``state_dict`` names it
+(``...parametrizations.<core>.0.sigma``, beside ``...parametrizations.<core>.original``),
+``adapter_config`` names the rule, and ``load_adapters`` and ``hotswap`` restore both.
 """
 
 from __future__ import annotations
-
-from typing import Mapping
 
 import torch
 from torch import nn
@@ -67,22 +66,17 @@ def inner(layer: Layer, zeroed: str) -> list[str]:
             len(own & set().union(*(ix for n, ix in indices.items() if n != name))) >= 2]
 
 
-def bound(layer: Layer, rule: str | None, zeroed: str,
-          sigmas: Mapping[str, float] | None = None) -> None:
-    """Apply ``rule`` to ``layer``'s inner cores, in place: at their present spectral norm,
-    their originals rescaled to unit RMS (the same values read); or, for a saved adapter's
-    cores copied in as they were trained, at its ``sigmas`` (by core name)."""
+def bound(layer: Layer, rule: str | None, zeroed: str) -> None:
+    """Apply ``rule`` to ``layer``'s inner cores, in place: each held at its present spectral
+    norm, its original rescaled to unit RMS (the network reads the same values)."""
     if rule is None:
         return
     for name in inner(layer, zeroed):
-        core = getattr(layer, name)
-        sigma = spectral(core.detach()) if sigmas is None else \
-            torch.tensor(float(sigmas[name]), dtype=core.dtype, device=core.device)
-        parametrize.register_parametrization(layer, name, SpectralBound(sigma))
-        if sigmas is None:  # the raw core at unit RMS: the network reads the same values
-            original = getattr(layer.parametrizations, name).original
-            with torch.no_grad():
-                original.div_(original.pow(2).mean().sqrt())
+        core = getattr(layer, name).detach()
+        parametrize.register_parametrization(layer, name, SpectralBound(spectral(core)))
+        original = getattr(layer.parametrizations, name).original
+        with torch.no_grad():
+            original.div_(original.pow(2).mean().sqrt().clamp_min(torch.finfo(core.dtype).tiny))
 
 
 def bounds(layer: nn.Module) -> dict[str, float]:
@@ -92,18 +86,12 @@ def bounds(layer: nn.Module) -> dict[str, float]:
             if isinstance(p[0], SpectralBound)}
 
 
-def sigma_buffers(layer: nn.Module) -> dict[str, torch.Tensor]:
-    """``{core: its sigma buffer}`` of ``layer``'s bounded cores (what hotswap writes)."""
-    held = getattr(layer, "parametrizations", {})
-    return {name: p[0].sigma for name, p in held.items() if isinstance(p[0], SpectralBound)}
+def rule_of(layer: nn.Module) -> str | None:
+    """The step rule ``layer``'s cores are under (None: every core free)."""
+    return RULES[0] if bounds(layer) else None
 
 
 def raw(layer: nn.Module) -> dict[str, nn.Parameter]:
     """``{core: the parameter the optimizer moves}``: a bounded core's ``original``."""
     return {name.removeprefix("parametrizations.").removesuffix(".original"): p
             for name, p in layer.named_parameters()}
-
-
-def values(layer: nn.Module) -> dict[str, torch.Tensor]:
-    """``{core: the tensor the network reads}`` (a bounded core as bounded)."""
-    return {name: getattr(layer, name) for name in raw(layer)}
