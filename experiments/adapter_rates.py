@@ -1,0 +1,211 @@
+"""Every adapter format at every rate PEFT's LoRA uses, with and without the step rule.
+
+The digits CNN of ``experiments.adapters`` (pretrained on upright digits, adapted to digits
+rotated by 90 degrees; 0.100 before adapting), adapters on every linear and conv layer but the
+stem at a share of each layer's parameters. tnspec's formats as ``adapt`` builds them and with
+``step_rule="spectral"`` (where it bounds a core: tucker2, tt, tr, tt_lora); PEFT's LoRA,
+LoHa and LoKr at the largest rank within the same share. Adam at 1e-3, 3e-3 and 1e-2 (no
+per-format tuning), 10 epochs of batch 64 (230 steps), seeds 0, 1, 2. A run *diverges* when a
+loss is not finite or its final accuracy is not above the model's before adapting.
+
+Reported per method: the mean test accuracy at each rate (min over seeds), the best rate, the
+gap of each single rate to each method's best; one training step at batch 256 (2% adapters)
+against the frozen base's forward and backward (interleaved rounds, medians). The runs go to
+``--workers`` processes of one thread each; the step times are measured in the main process
+after them.
+
+    python -m experiments.adapter_rates                  # about 50 minutes on 2 cores
+    python -m experiments.adapter_rates --shares 0.02 --methods tt "tt +rule"
+    python -m experiments.adapter_rates --smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import math
+import multiprocessing
+import statistics
+import time
+import warnings
+from concurrent.futures import ProcessPoolExecutor
+
+import torch
+from torch import nn
+
+import tnspec
+from tnspec.workflows import step_rule
+
+from . import adapters as base_experiment
+from .common import digits, markdown_table, save
+
+RATES = (1e-3, 3e-3, 1e-2)
+SHARES = (0.005, 0.02)
+SEEDS = (0, 1, 2)
+# (name, format, step rule): the rule only where it bounds a core (low_rank's and cp's cores
+# have one bond each); "+rule, raw at init": the trial that lost, the bounded cores' originals
+# at their Graph-in scale instead of unit RMS (the same function, a faster turn per step)
+TNSPEC = (("low_rank", "low_rank", None), ("cp", "cp", None),
+          ("tucker2", "tucker2", None), ("tucker2 +rule", "tucker2", "spectral"),
+          ("tt", "tt", None), ("tt +rule", "tt", "spectral"),
+          ("tr", "tr", None), ("tr +rule", "tr", "spectral"),
+          ("tt_lora", "tt_lora", None), ("tt_lora +rule", "tt_lora", "spectral"),
+          ("tt +rule, raw at init", "tt", "init"), ("tr +rule, raw at init", "tr", "init"),
+          ("tt_lora +rule, raw at init", "tt_lora", "init"))
+PEFT = ("peft-lora", "peft-loha", "peft-lokr")
+
+
+def build(base: nn.Module, method: str, share: float) -> nn.Module:
+    """``base`` (copied) with ``method``'s adapters at ``share`` of each layer."""
+    spec = {name: (fmt, rule) for name, fmt, rule in TNSPEC}
+    if method not in spec:
+        return base_experiment.adapted(base, method, share)
+    fmt, rule = spec[method]
+    model = copy.deepcopy(base)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # modes of small channel counts
+        model = tnspec.adapt(model, fmt, rank=share, include=base_experiment._targets(model),
+                             step_rule="spectral" if rule == "init" else rule)[0]
+    if rule == "init":
+        raw_at_init(model)
+    return model
+
+
+def raw_at_init(model: nn.Module) -> None:
+    """The trial: every bounded core's original scaled from unit RMS to the RMS of the values
+    the network reads (its Graph-in std at init); the network reads the same values."""
+    for module in model.modules():
+        if isinstance(module, tnspec.Adapted):
+            for layer in module.adapters.values():
+                for name in step_rule.bounds(layer):
+                    original = getattr(layer.parametrizations, name).original
+                    with torch.no_grad():
+                        original.mul_(getattr(layer, name).pow(2).mean().sqrt())
+
+
+def train(model: nn.Module, data: tuple[torch.Tensor, ...], lr: float, epochs: int,
+          seed: int) -> tuple[float, bool]:
+    """Adam on the trainable parameters, batch 64; (test accuracy, every loss finite). It
+    stops at the first loss that is not finite."""
+    x_tr, y_tr, x_te, y_te = data
+    opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=lr)
+    gen = torch.Generator().manual_seed(seed)
+    model.train()
+    finite = True
+    for _ in range(epochs):
+        for idx in torch.randperm(len(x_tr), generator=gen).split(64):
+            loss = nn.functional.cross_entropy(model(x_tr[idx]), y_tr[idx])
+            if not torch.isfinite(loss):
+                finite = False
+                break
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        if not finite:
+            break
+    return base_experiment.accuracy(model, x_te, y_te), finite
+
+
+def _job(job: tuple) -> tuple:
+    """One run in a worker process: ``(method, share, lr, seed, base state, smoke)``."""
+    method, share, lr, seed, state, smoke = job
+    torch.set_num_threads(1)
+    task = base_experiment.rotated(_images(smoke))
+    base = base_experiment.cnn()
+    base.load_state_dict(state)
+    base.requires_grad_(False)
+    torch.manual_seed(seed)
+    model = build(base, method, share)
+    acc, finite = train(model, task, lr, 1 if smoke else 10, seed)
+    return method, share, lr, seed, acc, finite, base_experiment.trainable(model)
+
+
+def _images(smoke: bool) -> tuple[torch.Tensor, ...]:
+    images = digits(images=True)
+    if smoke:
+        images = (images[0][:200], images[1][:200], images[2][:100], images[3][:100])
+    return images
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="a tiny version (tests)")
+    parser.add_argument("--shares", type=float, nargs="+", default=list(SHARES))
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--methods", nargs="+", default=None,
+                        help="a subset of the methods (names as in the table)")
+    args = parser.parse_args(argv)
+    started = time.time()
+    images = _images(args.smoke)
+    torch.manual_seed(0)
+    base = base_experiment.cnn()
+    base_experiment.fit(base.requires_grad_(True), images, 1e-3, 1 if args.smoke else 20, 0)
+    base.requires_grad_(False)
+    task = base_experiment.rotated(images)
+    before = base_experiment.accuracy(base, task[2], task[3])
+    methods = args.methods or [name for name, *_ in TNSPEC] + \
+        (list(PEFT) if base_experiment.peft_available() else [])
+    seeds, rates = ((0,), (1e-2,)) if args.smoke else (SEEDS, RATES)
+    state = base.state_dict()
+    jobs = [(m, s, lr, seed, state, args.smoke) for s in args.shares for m in methods
+            for lr in rates for seed in seeds]
+    results = {}
+    with ProcessPoolExecutor(args.workers, mp_context=multiprocessing.get_context("spawn")) \
+            as pool:
+        for method, share, lr, seed, acc, finite, params in pool.map(_job, jobs):
+            results[(method, share, lr, seed)] = (acc, finite, params)
+            print(f"{method:>16} {share:.1%} lr {lr:g} seed {seed}: {acc:.3f}"
+                  + ("" if finite else " (loss not finite)"), flush=True)
+    total = sum(p.numel() for p in base.parameters())
+    text = ["# Adapters at every rate, with and without the step rule (digits CNN, rotated "
+            "90 degrees)\n",
+            f"Adam, 10 epochs of batch 64, seeds {', '.join(map(str, seeds))}; test accuracy "
+            "on the 360 rotated test digits, mean over seeds (the lowest seed in brackets); "
+            f"{before:.3f} before adapting. Diverged: runs with a loss that is not finite or "
+            "a final accuracy not above the model's before adapting. +rule: "
+            "`adapt(step_rule=\"spectral\")`.\n"]
+    for share in args.shares:
+        rows, means = [], {}
+        for method in methods:
+            cells, diverged = [], 0
+            for lr in rates:
+                runs = [results[(method, share, lr, s)] for s in seeds]
+                accs = [a for a, _, _ in runs]
+                diverged += sum(1 for a, f, _ in runs if not f or a <= before)
+                means[(method, lr)] = statistics.mean(accs)
+                cells.append(f"{means[(method, lr)]:.3f} ({min(accs):.3f})")
+            params = results[(method, share, rates[0], seeds[0])][2]
+            best = max(rates, key=lambda lr: means[(method, lr)])
+            rows.append((method, f"{params:,} ({100 * params / total:.2f}%)", *cells,
+                         f"{best:g}", f"{diverged} of {len(rates) * len(seeds)}"))
+        text += [f"\n## Adapters at {share:.1%} of each layer\n",
+                 markdown_table(["method", "trainable", *(f"lr {lr:g}" for lr in rates),
+                                 "best lr", "diverged"], rows),
+                 "\nOne rate for all: each rate's largest gap to a method's best rate, in "
+                 "points of accuracy (tnspec methods as `adapt` builds them, and with the "
+                 "rule where it applies):\n"]
+        gaps = []
+        for lr in rates:
+            worst = {m: max(means[(m, r)] for r in rates) - means[(m, lr)] for m in methods}
+            name = max(worst, key=worst.get)
+            gaps.append((f"{lr:g}", f"{100 * worst[name]:.1f}", name))
+        text.append(markdown_table(["lr", "largest gap (points)", "method"], gaps))
+    models = {"frozen base": base}
+    models.update({m: build(base, m, 0.02) for m in methods})
+    x = task[0][:256]
+    times = base_experiment.step_times(models, x, task[1][:len(x)], 2 if args.smoke else 30)
+    text += ["\nOne training step at batch 256 (adapters at 2%), median of interleaved rounds, "
+             f"{torch.get_num_threads()} thread(s):\n",
+             markdown_table(["method", "ms", "x frozen base fwd+bwd"],
+                            [(n, f"{t * 1e3:.1f}", f"{t / times['frozen base']:.2f}")
+                             for n, t in times.items()])]
+    out = "\n".join(text)
+    print(out)
+    if not args.smoke:
+        save("adapter_rates" + ("" if args.shares == list(SHARES) else "_" + "_".join(
+            f"{s:g}" for s in args.shares)), out, started)
+    return 0 if all(math.isfinite(a) for a, _, _ in results.values()) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
