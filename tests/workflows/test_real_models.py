@@ -70,11 +70,12 @@ def test_compress_one_minilm_layer_with_its_tokenized_batches(minilm, snippets):
     assert cosine > nn.functional.cosine_similarity(weight_only, want).mean()
 
 
-def test_adapt_minilm_trains_and_merges(minilm, snippets):
+@pytest.mark.parametrize("fmt, rule", [("tt", None), ("tr", "spectral")])
+def test_adapt_minilm_trains_and_merges(minilm, snippets, fmt, rule):
     model, tokenizer = minilm
     texts, labels = snippets
-    adapted, report = tnspec.adapt(copy.deepcopy(model), "tt", rank=4,
-                                   include="encoder.layer.5.*")
+    adapted, report = tnspec.adapt(copy.deepcopy(model), fmt, rank=4,
+                                   include="encoder.layer.5.*", step_rule=rule)
     assert len(report.adapted) == 6
     batch = dict(tokenizer(texts[:8], padding=True, return_tensors="pt"))
     assert torch.equal(pooled(adapted, batch), pooled(model, batch))
