@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 import tnspec
+from tnspec.workflows import step_rule
 
 from . import adapters as base_experiment
 from .common import digits, markdown_table, plt, save
@@ -149,10 +150,7 @@ class _FixedSpectral(nn.Module):
         super().__init__()
         self.sigma = float(self.spectral(core.detach()))
 
-    @staticmethod
-    def spectral(core: torch.Tensor) -> torch.Tensor:
-        return torch.stack([torch.linalg.matrix_norm(core.movedim(d, 0).reshape(
-            core.shape[d], -1), ord=2) for d in range(core.dim())]).max()
+    spectral = staticmethod(step_rule.spectral)  # what adapt(step_rule="spectral") holds
 
     def forward(self, core: torch.Tensor) -> torch.Tensor:
         return core * (self.sigma / self.spectral(core))
@@ -188,22 +186,28 @@ def fixed_norms(model: nn.Module, spectral: bool | str = False) -> nn.Module:
 
 
 DRIFT_FORMATS = ("low_rank", "cp", "tucker2", "tt", "tr", "tt_lora")
-DRIFT_RULES = (None, False, True, "interior")  # as built, norms, spectral, inner cores
+# as built, norms, spectral, inner cores (the trials); then adapt(step_rule="spectral")
+DRIFT_RULES = (None, False, True, "interior", "step_rule")
 
 
-def drift(fmt: str, share: float, rule: bool | str | None, steps: int = 60) -> float:
-    """The pure-drift probe: one 64-channel 3x3 conv with ``fmt`` adapters at ``share``, Adam
-    1e-2 on a loss whose gradient keeps its direction (the trap's first phase); the adapter's
-    output over the base's after ``steps`` steps. ``rule``: None as ``adapt`` builds it, else
-    :func:`fixed_norms`' ``spectral``."""
+def drift(fmt: str, share: float, rule: bool | str | None, steps: int = 60,
+          channels: int = 64) -> float:
+    """The pure-drift probe: one ``channels``-channel 3x3 conv (a batch of ``channels // 2``)
+    with ``fmt`` adapters at ``share``, Adam 1e-2 on a loss whose gradient keeps its direction
+    (the trap's first phase); the adapter's output over the base's after ``steps`` steps.
+    ``rule``: None as ``adapt`` builds it, ``"step_rule"`` as ``adapt(step_rule="spectral")``
+    builds it, else :func:`fixed_norms`' ``spectral``."""
     torch.manual_seed(0)
-    base = nn.Conv2d(64, 64, 3, padding=1)
-    x = torch.randn(32, 64, 8, 8)
-    direction = torch.randn(1, 64, 1, 1)
+    base = nn.Conv2d(channels, channels, 3, padding=1)
+    x = torch.randn(channels // 2, channels, 8, 8)
+    direction = torch.randn(1, channels, 1, 1)
     torch.manual_seed(1)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model, _ = tnspec.adapt(nn.Sequential(base), fmt, rank=share)
+        model, _ = tnspec.adapt(nn.Sequential(base), fmt, rank=share,
+                                step_rule="spectral" if rule == "step_rule" else None)
+    if rule == "step_rule":
+        rule = None
     if rule is not None:
         fixed_norms(model, spectral=rule)
     opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-2)
@@ -222,7 +226,8 @@ def _drift_table(shares: tuple[float, ...] = (0.05, 0.2)) -> str:
     return ("Pure drift: the adapter's output over the base's after 60 Adam steps (lr 1e-2) "
             "whose gradient keeps its direction, one 64-channel 3x3 conv:\n\n"
             + markdown_table(["format", "adapters' share", "as adapt builds it", "fixed norms",
-                              "fixed spectral norms", "inner cores' spectral norms"], rows))
+                              "fixed spectral norms", "inner cores' spectral norms",
+                              "adapt(step_rule=\"spectral\")"], rows))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,7 +14,7 @@ against the frozen base's forward and backward (interleaved rounds, medians). Th
 ``--workers`` processes of one thread each; the step times are measured in the main process
 after them.
 
-    python -m experiments.adapter_rates                  # about 50 minutes on 2 cores
+    python -m experiments.adapter_rates                  # about 36 minutes on 2 cores
     python -m experiments.adapter_rates --shares 0.02 --methods tt "tt +rule"
     python -m experiments.adapter_rates --smoke
 """

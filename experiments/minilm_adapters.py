@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
             fmt = method.removesuffix(" +rule")
             for lr in rates:
                 model = copy.deepcopy(base)
-                if fmt in TNSPEC or fmt in tnspec.formats.NAMES:
+                if fmt in tnspec.formats.NAMES:
                     model, report = tnspec.adapt(
                         model, fmt, rank=SHARE, include=lambda n, m: n in targets(base),
                         modules_to_save=["head"],

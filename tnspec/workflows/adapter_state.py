@@ -157,7 +157,7 @@ def adapter_config(model: nn.Module) -> dict[str, Any]:
                   "scaling": module.scaling[key], "zeroed": module.zeroed[key],
                   "pad": None if module.pads[key] is None else
                   [list(module.pads[key][0]), module.pads[key][1]]}
-            | ({"step_rule": step_rule.rule_of(layer)} if step_rule.rule_of(layer) else {})
+            | ({"step_rule": rule} if (rule := step_rule.rule_of(layer)) else {})
             for key, layer in module.adapters.items()}}
     return {"format": FORMAT, "layers": layers, "saved": saved}
 
