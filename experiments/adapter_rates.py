@@ -3,8 +3,9 @@
 The digits CNN of ``experiments.adapters`` (pretrained on upright digits, adapted to digits
 rotated by 90 degrees; 0.100 before adapting), adapters on every linear and conv layer but the
 stem at a share of each layer's parameters. tnspec's formats as ``adapt`` builds them and with
-``step_rule="spectral"`` (where it bounds a core: tucker2, tt, tr, tt_lora); PEFT's LoRA,
-LoHa and LoKr at the largest rank within the same share. Adam at 1e-3, 3e-3 and 1e-2 (no
+``step_rule="spectral"`` (where it bounds a core: tucker2, tt, tr, tt_lora) and with
+``init="offset"`` (every core drawn, the initial adapter subtracted by a frozen copy); PEFT's
+LoRA, LoHa and LoKr at the largest rank within the same share. Adam at 1e-3, 3e-3 and 1e-2 (no
 per-format tuning), 10 epochs of batch 64 (230 steps), seeds 0, 1, 2. A run *diverges* when a
 loss is not finite or its final accuracy is not above the model's before adapting.
 
@@ -14,8 +15,12 @@ against the frozen base's forward and backward (interleaved rounds, medians). Th
 ``--workers`` processes of one thread each; the step times are measured in the main process
 after them.
 
-    python -m experiments.adapter_rates                  # about 36 minutes on 2 cores
+    python -m experiments.adapter_rates                  # every method: about an hour
     python -m experiments.adapter_rates --shares 0.02 --methods tt "tt +rule"
+    python -m experiments.adapter_rates --out adapter_rates_offset --methods \
+        "low_rank offset" "cp offset" "tucker2 offset" "tt offset" "tr offset" \
+        "tt_lora offset" "tt offset +rule" "tr offset +rule" cp "tt_lora +rule" \
+        peft-lora peft-loha peft-lokr                     # the init="offset" table
     python -m experiments.adapter_rates --smoke
 """
 
@@ -42,16 +47,23 @@ from .common import digits, markdown_table, save
 RATES = (1e-3, 3e-3, 1e-2)
 SHARES = (0.005, 0.02)
 SEEDS = (0, 1, 2)
-# (name, format, step rule): the rule only where it bounds a core (low_rank's and cp's cores
-# have one bond each); "+rule, raw at init": the trial that lost, the bounded cores' originals
-# at their Graph-in scale instead of unit RMS (the same function, a faster turn per step)
-TNSPEC = (("low_rank", "low_rank", None), ("cp", "cp", None),
-          ("tucker2", "tucker2", None), ("tucker2 +rule", "tucker2", "spectral"),
-          ("tt", "tt", None), ("tt +rule", "tt", "spectral"),
-          ("tr", "tr", None), ("tr +rule", "tr", "spectral"),
-          ("tt_lora", "tt_lora", None), ("tt_lora +rule", "tt_lora", "spectral"),
-          ("tt +rule, raw at init", "tt", "init"), ("tr +rule, raw at init", "tr", "init"),
-          ("tt_lora +rule, raw at init", "tt_lora", "init"))
+# (name, format, what is done): "spectral" is the step rule (only where it bounds a core:
+# low_rank's and cp's cores have one bond each), "offset" is adapt(init="offset"), "raw" the
+# trial that lost (the bounded cores' originals at their Graph-in scale instead of unit RMS:
+# the same function, a faster turn per step); joined by "+"
+TNSPEC = (("low_rank", "low_rank", ""), ("cp", "cp", ""),
+          ("tucker2", "tucker2", ""), ("tucker2 +rule", "tucker2", "spectral"),
+          ("tt", "tt", ""), ("tt +rule", "tt", "spectral"),
+          ("tr", "tr", ""), ("tr +rule", "tr", "spectral"),
+          ("tt_lora", "tt_lora", ""), ("tt_lora +rule", "tt_lora", "spectral"),
+          ("tt +rule, raw at init", "tt", "spectral+raw"),
+          ("tr +rule, raw at init", "tr", "spectral+raw"),
+          ("tt_lora +rule, raw at init", "tt_lora", "spectral+raw"),
+          ("low_rank offset", "low_rank", "offset"), ("cp offset", "cp", "offset"),
+          ("tucker2 offset", "tucker2", "offset"), ("tt offset", "tt", "offset"),
+          ("tr offset", "tr", "offset"), ("tt_lora offset", "tt_lora", "offset"),
+          ("tt offset +rule", "tt", "spectral+offset"),
+          ("tr offset +rule", "tr", "spectral+offset"))
 PEFT = ("peft-lora", "peft-loha", "peft-lokr")
 
 
@@ -60,13 +72,15 @@ def build(base: nn.Module, method: str, share: float) -> nn.Module:
     spec = {name: (fmt, rule) for name, fmt, rule in TNSPEC}
     if method not in spec:
         return base_experiment.adapted(base, method, share)
-    fmt, rule = spec[method]
+    fmt, done = spec[method]
+    steps = set(done.split("+")) - {""}
     model = copy.deepcopy(base)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # modes of small channel counts
         model = tnspec.adapt(model, fmt, rank=share, include=base_experiment._targets(model),
-                             step_rule="spectral" if rule == "init" else rule)[0]
-    if rule == "init":
+                             step_rule="spectral" if "spectral" in steps else None,
+                             init="offset" if "offset" in steps else "zero")[0]
+    if "raw" in steps:
         raw_at_init(model)
     return model
 
@@ -132,6 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--smoke", action="store_true", help="a tiny version (tests)")
     parser.add_argument("--shares", type=float, nargs="+", default=list(SHARES))
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--out", default=None,
+                        help="the results file's name (default: adapter_rates[_shares])")
     parser.add_argument("--methods", nargs="+", default=None,
                         help="a subset of the methods (names as in the table)")
     args = parser.parse_args(argv)
@@ -202,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     out = "\n".join(text)
     print(out)
     if not args.smoke:
-        save("adapter_rates" + ("" if args.shares == list(SHARES) else "_" + "_".join(
+        save(args.out or "adapter_rates" + ("" if args.shares == list(SHARES) else "_" + "_".join(
             f"{s:g}" for s in args.shares)), out, started)
     return 0 if all(math.isfinite(a) for a, _, _ in results.values()) else 1
 

@@ -7,6 +7,9 @@ same trainable parameters, on the same batches, one learning rate (AdamW 1e-3), 
     python -m experiments.minilm_adapters --smoke
     python -m experiments.minilm_adapters --seeds 2 --rates 1e-3 3e-3 1e-2 \\
         --methods tt "tt +rule" tr "tr +rule" LoRA   # the step rule at three rates
+    python -m experiments.minilm_adapters --seeds 2 --rates 1e-3 3e-3 1e-2 \\
+        --methods "tt offset" "tr offset" "tt_lora offset" LoRA \\
+        --out minilm_adapters_offset                 # adapt(init="offset") at three rates
 """
 
 from __future__ import annotations
@@ -109,8 +112,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rates", type=float, nargs="+", default=[1e-3],
                         help="AdamW learning rates (1e-3)")
     parser.add_argument("--methods", nargs="+", default=None,
-                        help="a subset: tnspec formats (a format followed by ' +rule': with "
-                        "step_rule='spectral') and LoRA, LoHa, LoKr")
+                        help="a subset: tnspec formats (followed by ' +rule': with "
+                        "step_rule='spectral'; by ' offset': with init='offset') and LoRA, "
+                        "LoHa, LoKr")
+    parser.add_argument("--out", default=None, help="the results file's name")
     args = parser.parse_args(argv)
     started = time.time()
     encoder, tokenizer = assets.minilm()
@@ -143,14 +148,15 @@ def main(argv: list[str] | None = None) -> int:
         base = Classifier(copy.deepcopy(encoder))  # the same head init for every method
         reference = None
         for method in methods:
-            fmt = method.removesuffix(" +rule")
+            fmt, *flags = method.split()
             for lr in rates:
                 model = copy.deepcopy(base)
                 if fmt in tnspec.formats.NAMES:
                     model, report = tnspec.adapt(
                         model, fmt, rank=SHARE, include=lambda n, m: n in targets(base),
                         modules_to_save=["head"],
-                        step_rule="spectral" if method.endswith(" +rule") else None)
+                        step_rule="spectral" if "+rule" in flags else None,
+                        init="offset" if "offset" in flags else "zero")
                     reference = reference or report.trainable
                 else:
                     r = matched_rank(base, method, reference or 120_000)
@@ -176,15 +182,16 @@ def main(argv: list[str] | None = None) -> int:
             f"mean-pooled embedding (trained in full); {steps} steps of 16 snippets (at most "
             f"48 tokens), AdamW {rate_text}, seeds {', '.join(map(str, seeds))}; accuracy on "
             f"{n_test:,} held-out snippets (0.5 is chance). Trainable parameters include the "
-            "head (770). +rule: `adapt(step_rule=\"spectral\")`. Final train loss: the mean "
+            "head (770). +rule: `adapt(step_rule=\"spectral\")`; offset: "
+            "`adapt(init=\"offset\")`. Final train loss: the mean "
             "of the last 20 steps; nan where a loss was not finite.\n\n"
             + markdown_table(["method", *(["lr"] if len(rates) > 1 else []), "trainable",
                               "accuracy (mean)", "std", "per seed", "final train loss",
                               "ms per step"], rows))
     print(text)
     if not args.smoke:  # a smoke run writes nothing
-        name = "minilm_adapters" if rates == (1e-3,) and not args.methods else \
-            "minilm_adapters_rates"
+        name = args.out or ("minilm_adapters" if rates == (1e-3,) and not args.methods else
+                            "minilm_adapters_rates")
         print(f"wrote {save(name, text, started)}")
     return 0
 

@@ -169,8 +169,10 @@ def test_stages_import_only_what_they_need():
     assert graph["planning.cache"] == set()  # the file alone: no model, no torch
     # workflows above Layer: adapters build layers through the API, they plan nothing
     assert not {d for d in graph["workflows.adapters"] if d.startswith(("planning.", "emit."))}
+    assert not {d for d in graph["workflows.adapter_layers"]
+                if d.startswith(("planning.", "emit.", "workflows.adapte"))}
     assert graph["workflows.adapter_state"] <= {"errors", "shapes", "nn.api",
-                                                "workflows.adapted", "workflows.adapters",
+                                                "workflows.adapted", "workflows.adapter_layers",
                                                 "workflows.dense_layers", "workflows.merge",
                                                 "workflows.step_rule"}
     # the step rule: a parametrization of an adapter's cores, knowing no workflow
@@ -180,7 +182,8 @@ def test_stages_import_only_what_they_need():
     # every workflow may know the Adapted module; it knows none of them
     assert graph["workflows.adapted"] <= {"errors", "fit.decompose", "nn.module"}
     assert graph["workflows.peft_bridge"] <= {"errors", "workflows.adapted",
-                                              "workflows.adapters", "workflows.dense_layers"}
+                                              "workflows.adapter_layers",
+                                              "workflows.dense_layers"}
     assert graph["fit.moments"] <= {"errors"}
     assert graph["workflows.observe"] <= {"errors", "fit.moments", "workflows.dense_layers"}
     assert graph["nn.embedding"] <= {"errors", "language.settings", "nn.api", "nn.formats"}

@@ -20,11 +20,12 @@ def _base() -> nn.Module:
 
 
 def _trained(fmt: str, seed: int, scale: float = 1.0, name: str = "default",
-             base: nn.Module | None = None, step_rule: str | None = None) -> nn.Module:
+             base: nn.Module | None = None, step_rule: str | None = None,
+             init: str = "zero") -> nn.Module:
     """The base with adapter ``name`` of ``fmt``, its cores drawn at random (trained), and the
     head trained in full."""
     model, _ = tnspec.adapt(copy.deepcopy(base or _base()), fmt, rank=0.5, scale=scale,
-                            name=name, modules_to_save=["5"], step_rule=step_rule)
+                            name=name, modules_to_save=["5"], step_rule=step_rule, init=init)
     torch.manual_seed(seed)
     with torch.no_grad():
         for p in model.parameters():
@@ -45,11 +46,13 @@ class Counting:
         return gm.forward
 
 
-@pytest.mark.parametrize("fmt, rule", [("tt", None), ("cp", None), ("tr", "spectral")])
-def test_a_compiled_model_runs_the_swapped_adapter_without_compiling_again(fmt, rule):
+@pytest.mark.parametrize("fmt, rule, init", [("tt", None, "zero"), ("cp", None, "zero"),
+                                             ("tr", "spectral", "zero"),
+                                             ("tt_lora", "spectral", "offset")])
+def test_a_compiled_model_runs_the_swapped_adapter_without_compiling_again(fmt, rule, init):
     torch._dynamo.reset()
-    model = _trained(fmt, seed=1, step_rule=rule)
-    other = _trained(fmt, seed=2, scale=3.0, step_rule=rule)
+    model = _trained(fmt, seed=1, step_rule=rule, init=init)
+    other = _trained(fmt, seed=2, scale=3.0, step_rule=rule, init=init)
     assert model[0].scaling["default"] != other[0].scaling["default"]  # the fold is used
     x = torch.randn(2, 4, 6, 6)
     backend = Counting()

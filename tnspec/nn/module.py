@@ -50,6 +50,10 @@ class Layer(nn.Module):
 
     plan_cache_size = 64
     autotune_seconds = 10.0
+    #: the layer whose planned code this one runs (None: its own). A frozen copy of an adapter
+    #: (``adapt(init="offset")``) runs its adapter's code, so that the two compute alike, bit
+    #: for bit, while their cores are equal. Set through ``__dict__``: not a submodule.
+    code_of: Layer | None = None
 
     def __init__(self, network: Network, *, dtype: torch.dtype | None = None,
                  device: torch.device | str | None = None, planner: str = "auto",
@@ -323,25 +327,27 @@ class Layer(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         try:  # free unless raised: a list fails on .shape, an array inside the generated code
+            owner = self if self.code_of is None else self.code_of
             if _is_compiling():
                 # planning is plain Python that dynamo should not trace: it runs once, at
                 # trace time, as a constant, and leaves the class on the layer (see
                 # runtime.compilable_key)
-                runtime.compilable_key(self._trace_name)
-                cls = self._traced_class
-            elif x.shape == self._last_shape and x.stride() == self._last_stride and \
-                    _autocast("cuda" if x.is_cuda else "cpu") == self._last_autocast:
-                cls = self._last_class  # the hot path: the same shape, layout and precision
+                runtime.compilable_key(owner._trace_name)
+                cls = owner._traced_class
+            elif x.shape == owner._last_shape and x.stride() == owner._last_stride and \
+                    _autocast("cuda" if x.is_cuda else "cpu") == owner._last_autocast:
+                cls = owner._last_class  # the hot path: the same shape, layout and precision
             else:
-                shape = self._lookups(x.shape) if self.network.lookup else tuple(x.shape)
-                if len(shape) == self._unbatched_dims:  # planned as a batch of one
+                shape = owner._lookups(x.shape) if self.network.lookup else tuple(x.shape)
+                if len(shape) == owner._unbatched_dims:  # planned as a batch of one
                     shape = (1, *shape)
                 last = x.dim() == 4 and not x.is_contiguous() and \
                     x.is_contiguous(memory_format=torch.channels_last)
-                cls = self._class(shape, last)  # also keeps the cache's order LRU
+                cls = owner._class(shape, last)  # also keeps the cache's order LRU
                 # not through nn.Module.__setattr__, which is slow
-                self.__dict__.update(_last_class=cls, _last_shape=x.shape, _last_stride=x.stride(),
-                                     _last_autocast=_autocast("cuda" if x.is_cuda else "cpu"))
+                owner.__dict__.update(
+                    _last_class=cls, _last_shape=x.shape, _last_stride=x.stride(),
+                    _last_autocast=_autocast("cuda" if x.is_cuda else "cpu"))
             return cls.forward(self, x)
         except AttributeError:
             if isinstance(x, torch.Tensor):

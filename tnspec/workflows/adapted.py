@@ -12,6 +12,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.utils import parametrize
 
 from ..errors import SpecError
 from ..fit import decompose
@@ -21,12 +22,15 @@ from ..nn.module import Layer
 class Adapted(nn.Module):
     """A frozen ``base`` module (``nn.Linear`` or ``nn.Conv1d/2d/3d``, untouched) and named
     tnspec ``adapters`` of its geometry: ``forward(x) = base(x) + scaling * adapter(x)`` for
-    the active adapter, run as its planned network on the input as the base pads it."""
+    the active adapter, run as its planned network on the input as the base pads it. An
+    adapter built with ``init="offset"`` has a frozen copy of itself at init in ``offsets``,
+    subtracted: ``scaling * (adapter(x) - offset(x))``."""
 
     def __init__(self, base: nn.Module) -> None:
         super().__init__()
         self.base = base
         self.adapters = nn.ModuleDict()
+        self.offsets = nn.ModuleDict()  # frozen copies at init (init="offset"), by adapter
         self.scaling: dict[str, float] = {}  # the zero core's Graph-in std, per adapter
         self.pads: dict[str, tuple[tuple[int, ...], str] | None] = {}  # F.pad before it
         self.zeroed: dict[str, str] = {}  # the core that started at zero
@@ -44,9 +48,15 @@ class Adapted(nn.Module):
         return self.base.bias
 
     def add(self, name: str, layer: Layer, scaling: float,
-            pad: tuple[tuple[int, ...], str] | None, zeroed: str) -> None:
-        """Register ``layer`` as adapter ``name`` (it replaces one of that name)."""
+            pad: tuple[tuple[int, ...], str] | None, zeroed: str,
+            offset: Layer | None = None) -> None:
+        """Register ``layer`` as adapter ``name`` (it replaces one of that name), less
+        ``offset`` where given (a frozen layer of the same network)."""
         self.adapters[name] = layer
+        if offset is not None:
+            self.offsets[name] = offset
+        elif name in self.offsets:
+            del self.offsets[name]
         self.scaling[name], self.pads[name], self.zeroed[name] = scaling, pad, zeroed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -56,12 +66,19 @@ class Adapted(nn.Module):
         pad = self.pads[self.active]
         if pad is not None:
             x = F.pad(x, pad[0], mode=pad[1])
+        a = self.adapters[self.active](x)
+        if self.active in self.offsets:
+            a = a - self.offsets[self.active](x)
         # not torch.add(..., alpha=): inductor (torch 2.13) drops alpha after a matmul
-        return y + self.scaling[self.active] * self.adapters[self.active](x)
+        return y + self.scaling[self.active] * a
 
     def delta_weight(self, name: str) -> torch.Tensor:
-        """Adapter ``name`` as a dense weight of the base's shape, in float64."""
-        return delta_weight(self.adapters[name], self.scaling[name])
+        """Adapter ``name`` (less its offset) as a dense weight of the base's shape, in
+        float64."""
+        delta = delta_weight(self.adapters[name], self.scaling[name])
+        if name in self.offsets:
+            delta = delta - delta_weight(self.offsets[name], self.scaling[name])
+        return delta
 
     def extra_repr(self) -> str:
         return f"active={self.active!r}" + (", disabled" if self.disabled else "")
@@ -111,9 +128,29 @@ class Saved(nn.Module):
 def delta_weight(layer: Layer, scaling: float) -> torch.Tensor:
     """``scaling`` times the adapter ``layer`` as a dense weight, from float64 copies of its
     cores (what merging adds to the base weight)."""
-    # as attributes: a core bounded by a step rule is read as the network reads it
-    cores = {c.name: getattr(layer, c.name).detach().double() for c in layer.network.cores}
+    # as attributes: a core bounded by a step rule is read as the network reads it, without
+    # autograd (whose singular values may differ in the last bit), as a frozen copy was read
+    with torch.no_grad():
+        cores = {c.name: getattr(layer, c.name).double() for c in layer.network.cores}
     return decompose.dense_weight(layer.network, cores) * scaling
+
+
+def frozen_copy(layer: Layer) -> Layer:
+    """A layer of ``layer``'s network and class holding, as frozen plain parameters, the values
+    ``layer``'s network reads now (a core under a step rule's parametrization included). It runs
+    ``layer``'s planned code (:attr:`Layer.code_of`), so it computes what ``layer`` computes,
+    bit for bit, until ``layer`` trains."""
+    cls = parametrize.type_before_parametrizations(layer)
+    first = next(layer.parameters())
+    with torch.device("meta"):  # nothing drawn: the values are copied below
+        twin = cls(layer.network, dtype=first.dtype, planner=layer.planner,
+                   autotune=layer.autotune, max_bytes=layer.max_bytes)
+    twin = twin.to_empty(device=first.device)
+    with torch.no_grad():
+        for core in layer.network.cores:
+            getattr(twin, core.name).copy_(getattr(layer, core.name))
+    twin.__dict__["code_of"] = layer  # not a submodule: no second copy in the state
+    return twin.requires_grad_(False)
 
 
 def inside_adapted(model: nn.Module) -> dict[int, str]:

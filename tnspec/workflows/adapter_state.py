@@ -19,8 +19,8 @@ from torch.nn.utils.weight_norm import WeightNorm
 from ..errors import SpecError
 from ..shapes import geometry
 from ..nn.api import _with_options, compile
-from .adapted import Adapted, Saved, adapted_modules, parts, set_adapter
-from .adapters import TensorizedConv, TensorizedLinear, _geometry_differs, _padding
+from .adapted import Adapted, Saved, adapted_modules, frozen_copy, parts, set_adapter
+from .adapter_layers import INITS, TensorizedConv, TensorizedLinear, _geometry_differs, _padding
 from .dense_layers import is_dense, is_linear, kind_names, stored, weight_of
 from .merge import parameter_holders, set_submodule
 from . import step_rule
@@ -125,8 +125,9 @@ def _write_weight(base: nn.Module, value: torch.Tensor, path: str,
 
 def adapter_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The adapters of ``model`` alone, flat (name -> tensor, as ``state_dict`` names them):
-    each adapter's cores (``"<layer>.adapters.<adapter>.<core>"``) and each copy trained in
-    full (``"<module>.copies.<adapter>.<name>"``); no base tensor. With
+    each adapter's cores (``"<layer>.adapters.<adapter>.<core>"``), the frozen copy of an
+    adapter built with ``init="offset"`` (``"<layer>.offsets.<adapter>.<core>"``) and each copy
+    trained in full (``"<module>.copies.<adapter>.<name>"``); no base tensor. With
     :func:`adapter_config` (what rebuilds them, JSON-able) it is all :func:`load_adapters`
     needs; ``safetensors`` stores it::
 
@@ -139,13 +140,17 @@ def adapter_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
             prefix = ".".join(filter(None, [path, "adapters" if isinstance(module, Adapted)
                                             else "copies", key]))
             state |= {f"{prefix}.{n}": t.detach() for n, t in part.state_dict().items()}
+        for key, offset in getattr(module, "offsets", {}).items():
+            prefix = ".".join(filter(None, [path, "offsets", key]))
+            state |= {f"{prefix}.{n}": t.detach() for n, t in offset.state_dict().items()}
     return state
 
 
 def adapter_config(model: nn.Module) -> dict[str, Any]:
     """What rebuilds the adapters of ``model`` around their tensors (JSON-able): per adapted
-    layer, each adapter's spec and sizes, scaling, padding and zeroed core, and the active
-    one; per module trained in full, its copies and the active one."""
+    layer, each adapter's spec and sizes, scaling, padding and zeroed core (its step rule and
+    init where not the default), and the active one; per module trained in full, its copies
+    and the active one."""
     layers: dict[str, Any] = {}
     saved: dict[str, Any] = {}
     for path, module in adapted_modules(model):
@@ -158,6 +163,7 @@ def adapter_config(model: nn.Module) -> dict[str, Any]:
                   "pad": None if module.pads[key] is None else
                   [list(module.pads[key][0]), module.pads[key][1]]}
             | ({"step_rule": rule} if (rule := step_rule.rule_of(layer)) else {})
+            | ({"init": "offset"} if key in module.offsets else {})
             for key, layer in module.adapters.items()}}
     return {"format": FORMAT, "layers": layers, "saved": saved}
 
@@ -193,12 +199,17 @@ def load_adapters(model: nn.Module, state: Mapping[str, Any],
                             f"{kind_names()}")
         adapters = []
         for key, saved in entry["adapters"].items():
-            prefix = ".".join(filter(None, [path, "adapters", key])) + "."
-            cores = {n[len(prefix):]: t for n, t in state.items() if n.startswith(prefix)}
-            used |= {prefix + n for n in cores}
-            adapters.append((key, _rebuilt(base, path, key, saved, cores),
-                             float(saved["scaling"]), None if saved["pad"] is None else
-                             (tuple(saved["pad"][0]), saved["pad"][1]), saved["zeroed"]))
+            tensors = {}
+            for part in ("adapters", "offsets"):
+                prefix = ".".join(filter(None, [path, part, key])) + "."
+                tensors[part] = {n[len(prefix):]: t for n, t in state.items()
+                                 if n.startswith(prefix)}
+                used |= {prefix + n for n in tensors[part]}
+            layer, offset = _rebuilt(base, path, key, saved, tensors["adapters"],
+                                     tensors["offsets"])
+            adapters.append((key, layer, float(saved["scaling"]), None if saved["pad"] is None
+                             else (tuple(saved["pad"][0]), saved["pad"][1]), saved["zeroed"],
+                             offset))
         planned.append((path, module, adapters, entry["active"]))
     copies = []
     for path, entry in config.get("saved", {}).items():
@@ -224,8 +235,8 @@ def load_adapters(model: nn.Module, state: Mapping[str, Any],
     root = model
     for path, module, adapters, _ in planned:
         owner = module if isinstance(module, Adapted) else Adapted(module)
-        for key, layer, scaling, pad, zeroed in adapters:
-            owner.add(key, layer, scaling, pad, zeroed)
+        for key, layer, scaling, pad, zeroed, offset in adapters:
+            owner.add(key, layer, scaling, pad, zeroed, offset)
         if owner is not module:
             if path:
                 set_submodule(model, path, owner)
@@ -270,7 +281,11 @@ def _flattened(nested: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor], dict
 
 
 def _rebuilt(base: nn.Module, path: str, key: str, saved: Mapping[str, Any],
-             cores: Mapping[str, torch.Tensor]) -> nn.Module:
+             cores: Mapping[str, torch.Tensor], frozen: Mapping[str, torch.Tensor]
+             ) -> tuple[nn.Module, nn.Module | None]:
+    """The adapter ``key`` of layer ``path`` and its frozen copy (None unless
+    ``init="offset"``), built from ``saved`` (its config) and loaded with ``cores`` and
+    ``frozen``; a SpecError where they do not fit."""
     net = _with_options(compile(saved["spec"], sizes=saved["sizes"]), bias=False)
     differs = _geometry_differs(base, net)
     if differs:
@@ -290,25 +305,35 @@ def _rebuilt(base: nn.Module, path: str, key: str, saved: Mapping[str, Any],
                         f"{rule!r}, which this tnspec does not know",
                         hint=f"it knows {', '.join(step_rule.RULES)}: upgrade tnspec")
     step_rule.bound(layer, rule, saved["zeroed"])  # its bounds are loaded with the cores
-    expected = layer.state_dict()
-    for n, t in expected.items():
-        if n not in cores or tuple(cores[n].shape) != tuple(t.shape):
-            raise SpecError(f"adapter {key!r} of layer {path!r}: {n} is "
-                            f"{'missing' if n not in cores else tuple(cores[n].shape)}, "
-                            f"expected {tuple(t.shape)}",
-                            hint="give the config saved with these tensors (a bounded core "
-                            "is saved as parametrizations.<core>.original, with its bound "
-                            "as parametrizations.<core>.0.sigma)")
-    extra = sorted(set(cores) - set(expected))
-    if extra:
-        raise SpecError(f"adapter {key!r} of layer {path!r}: the state has {extra[0]!r}, "
-                        "which this adapter does not hold",
-                        hint="give the config saved with these tensors (it says whether "
-                        "a step_rule bounds the cores)")
-    with torch.no_grad():
+    init = saved.get("init", "zero")
+    if init not in INITS:
+        raise SpecError(f"adapter {key!r} of layer {path!r} was built with init {init!r}, "
+                        "which this tnspec does not know",
+                        hint=f"it knows {', '.join(INITS)}: upgrade tnspec")
+    offset = frozen_copy(layer) if init == "offset" else None
+    for what, part, given in (("adapter", layer, cores), ("frozen copy", offset, frozen)):
+        expected = part.state_dict() if part is not None else {}
         for n, t in expected.items():
-            t.copy_(cores[n])
-    return layer
+            if n not in given or tuple(given[n].shape) != tuple(t.shape):
+                raise SpecError(f"the {what} {key!r} of layer {path!r}: {n} is "
+                                f"{'missing' if n not in given else tuple(given[n].shape)}, "
+                                f"expected {tuple(t.shape)}",
+                                hint="give the config saved with these tensors (a bounded "
+                                "core is saved as parametrizations.<core>.original, with its "
+                                "bound as parametrizations.<core>.0.sigma; an adapter built "
+                                "with init='offset' has its frozen copy under offsets.)")
+        extra = sorted(set(given) - set(expected))
+        if extra:
+            raise SpecError(f"the {what} {key!r} of layer {path!r}: the state has "
+                            f"{extra[0]!r}, which " + ("this adapter does not hold" if part
+                                                       is not None else
+                                                       "its config does not build"),
+                            hint="give the config saved with these tensors (it says whether "
+                            "a step_rule bounds the cores, and the init)")
+        with torch.no_grad():
+            for n, t in expected.items():
+                t.copy_(given[n])
+    return layer, offset
 
 
 def _padding_text(given: tuple[int, ...], pad: tuple[tuple[int, ...], str] | None) -> str:

@@ -9,7 +9,9 @@ for unit-variance inputs); the remaining core (the output-side one by default) s
 so that adapting changes no output bit, and is stored in units of its Graph-in std: the
 adapter's output is multiplied by that std. An optimizer step that moves each element of the
 zero core by about ``lr`` then moves the output by an amount that depends on neither the rank
-nor the format. ``adapter_state`` holds merging, saving and switching.
+nor the format. With ``init="offset"`` that core is drawn too and a frozen copy of the adapter
+at init is subtracted, so that every core learns from the first step (``adapter_layers``
+builds one layer). ``adapter_state`` holds merging, saving and switching.
 """
 
 from __future__ import annotations
@@ -19,27 +21,18 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-import torch
 from torch import nn
 
 from ..errors import SpecError
-from ..ir import Network
-from ..shapes import geometry, nn_attributes
-from ..language.parse import parse
-from ..language.settings import SCALE_RANGE
-from ..analysis.init import core_inits
-from ..fit import decompose
 from ..nn import formats
-from ..nn.api import _with_options, compile
 from ..nn.module import Layer
-from .adapted import Adapted, Saved, inside_adapted, set_adapter
-from .dense_layers import check_forward, features, is_dense, is_linear, kind_names, weight_of
+from .adapted import Adapted, Saved, frozen_copy, inside_adapted, set_adapter
+from .adapter_layers import INITS, Fmt, adapter_layer
+from .dense_layers import check_forward, is_dense, kind_names
 from .merge import parameter_holders, set_submodule
 from . import step_rule as step_rule_
 from .left_alone import read_directly
-from .tensorize import Selector, TensorizedConv, TensorizedLinear, _selected, first_skipped
-
-Fmt = str | formats.Format | Network
+from .tensorize import Selector, _selected, first_skipped
 
 
 @dataclass(frozen=True)
@@ -53,6 +46,7 @@ class Adaptation:
     base_params: int  # the base layer's (weight and bias)
     zeroed: str
     note: str = ""
+    init: str = "zero"
 
     @property
     def share(self) -> float:
@@ -78,7 +72,9 @@ class AdaptReport:
         for a in self.adapted:
             lines.append(f"  {a.name}: {a.base}")
             lines.append(f"      {a.params:,} trainable ({100 * a.share:.2f}% of its "
-                         f"{a.base_params:,}), {a.zeroed} starts at zero"
+                         f"{a.base_params:,}), " + (f"{a.zeroed} starts at zero"
+                                                    if a.init == "zero" else
+                                                    "less its frozen copy at init")
                          + (f"; {a.note}" if a.note else ""))
         for name, params in self.saved:
             lines.append(f"  {name}: trained in full ({params:,} parameters, saved with the "
@@ -92,7 +88,8 @@ def adapt(model: nn.Module, fmt: Fmt = "low_rank", *, rank: int | float | None =
           include: Selector = None, exclude: Selector = None, scale: float = 1.0,
           name: str = "default", zero: str | None = None,
           sizes: Mapping[str, int] | None = None, modules_to_save: Selector = None,
-          step_rule: str | None = None, **options: Any) -> tuple[nn.Module, AdaptReport]:
+          step_rule: str | None = None, init: str = "zero", **options: Any
+          ) -> tuple[nn.Module, AdaptReport]:
     """Add adapter ``name`` to every ``nn.Linear`` / ``nn.Conv1d/2d/3d`` of ``model`` selected by
     ``include``/``exclude`` (as :func:`tnspec.tensorize`), in place: each becomes an
     :class:`Adapted` module (or gets one more adapter), and every parameter of the model other
@@ -116,6 +113,10 @@ def adapt(model: nn.Module, fmt: Fmt = "low_rank", *, rank: int | float | None =
     ``step_rule="spectral"`` holds the adapter's inner cores (those with two bonds or more) at
     their init spectral norm while they train, so that a chain's or ring's cores cannot
     align to grow the product by orders of magnitude (:mod:`~tnspec.workflows.step_rule`).
+    ``init="offset"`` draws the zero core too and subtracts a frozen copy of the adapter as
+    drawn (``Adapted.offsets``): still exactly the base's output at init, but every core gets
+    a gradient from the first step, where a zero core blocks its neighbours' (the copy costs
+    one more forward of the adapter, no trainable parameter).
 
     ``modules_to_save`` (names, glob patterns or a function of ``(name, module)``, as
     ``include``; a name also matches at the end of a longer one, ``"classifier"`` matching
@@ -152,6 +153,8 @@ def adapt(model: nn.Module, fmt: Fmt = "low_rank", *, rank: int | float | None =
     if rank is not None:
         formats.check_rank(rank)
     step_rule_.check(step_rule)
+    if init not in INITS:
+        raise SpecError(f"unknown init {init!r}", hint=f"choose one of {', '.join(INITS)}")
     to_save = _to_save(model, modules_to_save, name)
     adapted, skipped, wrapped = [], [], {}
     left_alone = read_directly(model)
@@ -183,13 +186,14 @@ def adapt(model: nn.Module, fmt: Fmt = "low_rank", *, rank: int | float | None =
                                 hint="give another name=, or merge_adapters first")
             check_forward(module)
             layer, scaling, pad, zeroed, note = adapter_layer(module, fmt, rank, scale, zero,
-                                                              sizes, options)
+                                                              sizes, options, init)
             step_rule_.bound(layer, step_rule, zeroed)
+            offset = frozen_copy(layer) if init == "offset" else None
         except SpecError as exc:
             skipped.append((path or type(module).__name__, exc.message))
             continue
         owner = owner or Adapted(module)
-        owner.add(name, layer, scaling, pad, zeroed)
+        owner.add(name, layer, scaling, pad, zeroed, offset)
         wrapped[id(module)] = (owner, path)
         if path:
             set_submodule(model, path, owner)
@@ -199,7 +203,8 @@ def adapt(model: nn.Module, fmt: Fmt = "low_rank", *, rank: int | float | None =
         if own > theirs:
             note = "; ".join(filter(None, [note, "more parameters than the layer it adapts: "
                                            "train the layer itself, or give a smaller rank"]))
-        adapted.append(Adaptation(path, repr(module), layer.spec, own, theirs, zeroed, note))
+        adapted.append(Adaptation(path, repr(module), layer.spec, own, theirs, zeroed, note,
+                                  init))
     larger = [a.name or "the model" for a in adapted if a.params > a.base_params]
     if larger:
         warnings.warn(f"adapt: the adapter of {', '.join(larger[:4])}"
@@ -271,124 +276,3 @@ def _check_untied(module: nn.Module, holders: dict[int, list[tuple[str, nn.Modul
             raise SpecError(f"its weight is tied to {others[0]!r}'s (shared weights): left "
                             "alone so that merge_adapters keeps the tie",
                             hint="exclude= it, or untie the weights before adapt")
-
-
-def adapter_layer(base: nn.Module, fmt: Fmt, rank: int | float | None, scale: float,
-                  zero: str | None, sizes: Mapping[str, int] | None,
-                  options: Mapping[str, Any]
-                  ) -> tuple[Layer, float, tuple[tuple[int, ...], str] | None, str, str]:
-    """The adapter for ``base``: ``(layer, scaling, pad, zeroed core, note)``, initialized;
-    a SpecError says why there is none."""
-    padding, pad = _padding(base)
-    if isinstance(fmt, str) and fmt in formats.NAMES:
-        if sizes:
-            raise SpecError("sizes= goes with a spec string", hint="give rank= for a format")
-        fmt = _built(base, fmt, 8 if rank is None else rank, padding, options)
-    elif rank is not None or options:
-        raise SpecError(f"rank= and format options go with a format name, not {fmt!r}",
-                        hint="give the ranks' sizes in sizes=")
-    net = _network(base, fmt, sizes or {})
-    differs = _geometry_differs(base, net)
-    if differs:
-        raise SpecError(f"the adapter's geometry differs from the layer's: {differs}")
-    given = geometry(net).convs
-    if any(c.padding for c in given):  # runs on the input as it comes: the base's padding
-        if tuple(c.padding for c in given) != padding:
-            raise SpecError(f"the adapter pads {tuple(c.padding for c in given)}, the layer "
-                            f"{getattr(base, 'padding', 0)} ({base.padding_mode})",
-                            hint="write the spec without padding: it then runs on the input "
-                            "padded as the layer pads it")
-        pad = None
-    weight = weight_of(base).detach()
-    out = weight.shape[0]
-    note = ""
-    variance = math.nan if weight.is_meta else float(weight.double().pow(2).sum()) / out * scale
-    if not variance > 0 or not math.isfinite(variance):
-        variance = scale / (weight[0].numel() or 1)
-        note = ("on the meta device (no values yet)" if weight.is_meta else "the base weight is "
-                "zero or not finite") + ": scaled for Kaiming's fan-in variance"
-    # Graph-in for an output variance of `variance`: the activation scale is 1 / variance,
-    # within the range whose stds are finite; what a very small (or large) base weight leaves
-    # over is carried by the output's multiplier below
-    activation = min(max(1.0 / variance, SCALE_RANGE[0]), SCALE_RANGE[1])
-    net = _with_options(net, init="graph-in", activation=activation, bias=False)
-    cls = TensorizedLinear if is_linear(base) else TensorizedConv
-    layer = cls(net, dtype=weight.dtype, device=weight.device)
-    zeroed = decompose.output_core(net) if zero is None else zero
-    stds = {c.core: c.std(net.sizes) for c in core_inits(net)}
-    if zeroed not in stds:
-        raise SpecError(f"zero={zero!r} is not a core of {net.spec}",
-                        hint=f"the cores are {', '.join(stds)}")
-    with torch.no_grad():
-        getattr(layer, zeroed).zero_()
-    return layer, stds[zeroed] * math.sqrt(variance * activation), pad, zeroed, note
-
-
-def _padding(base: nn.Module) -> tuple[Any, tuple[tuple[int, ...], str] | None]:
-    """``(padding, pad)``: the zero padding for an adapter run on the input as it comes (the
-    base's where it pads zeros equally on both sides of every axis, else 0) and ``F.pad``'s
-    arguments for one run on the input padded as the base pads it (None: no padding)."""
-    if is_linear(base) or not any(base._reversed_padding_repeated_twice):
-        return 0, None
-    pads = tuple(base._reversed_padding_repeated_twice)
-    pad = (pads, "constant" if base.padding_mode == "zeros" else base.padding_mode)
-    left, right = pads[0::2][::-1], pads[1::2][::-1]
-    return (tuple(left) if base.padding_mode == "zeros" and left == right else 0), pad
-
-
-def _built(base: nn.Module, fmt: str, rank: int | float, padding: Any,
-           options: Mapping[str, Any]) -> formats.Format:
-    if is_linear(base):
-        return formats.build(fmt, *features(base), (), rank=rank, **options)
-    return formats.build(fmt, base.in_channels, base.out_channels, tuple(base.kernel_size),
-                         rank=rank, stride=tuple(base.stride), padding=padding,
-                         dilation=tuple(base.dilation), groups=base.groups, **options)
-
-
-def _network(base: nn.Module, fmt: Fmt, sizes: Mapping[str, int]) -> Network:
-    """``fmt`` compiled, with the channel and kernel sizes a spec string leaves out read
-    from ``base``."""
-    if isinstance(fmt, Network):
-        return fmt
-    if isinstance(fmt, formats.Format):
-        return compile(fmt.spec, sizes=fmt.sizes)
-    if not isinstance(fmt, str):
-        raise TypeError(f"adapt takes a format name, a spec string, a Network or a Format, not "
-                        f"{type(fmt).__name__}")
-    doc = parse(fmt)
-    if len(doc.layers) != 1 or len(doc.layers[0].networks) != 1:
-        raise SpecError(f"{fmt!r} is neither a format ({', '.join(formats.NAMES)}) nor one "
-                        "network", hint="compile a .tn file's layer and pass the Network")
-    node = doc.layers[0].networks[0]
-    x, y = node.operands[0].indices, node.output.indices
-    found: dict[str, int] = {}
-    groups = getattr(base, "groups", 1)
-    for axis, channels in ((x, _channels(base, "in")), (y, _channels(base, "out"))):
-        if len(axis) > 1 and axis[1].kind == "name":
-            found[axis[1].names[0]] = channels // groups
-    for k, (axis, out) in enumerate(zip(x[2:], y[2:])):
-        kernel = [n for n in axis.names if n not in out.names]
-        if len(kernel) == 1 and k < len(getattr(base, "kernel_size", ())):
-            found[kernel[0]] = base.kernel_size[k]
-    return compile(fmt, sizes={**found, **sizes})
-
-
-def _channels(base: nn.Module, side: str) -> int:
-    return features(base)[0 if side == "in" else 1]
-
-
-def _geometry_differs(base: nn.Module, net: Network) -> str:
-    """What of ``net``'s geometry differs from ``base``'s ("" where nothing does; the padding
-    is left to the caller)."""
-    geo = geometry(net)
-    if geo is None:
-        return "it is neither conv-like nor linear-like"
-    attrs = nn_attributes(geo, net.sizes.__getitem__)
-    linear = dict(zip(("in_features", "out_features"), features(base))) if is_linear(base) \
-        else {}
-    for key, value in attrs.items():
-        want = linear[key] if key in linear else getattr(base, key, None)
-        if key != "padding" and value != (tuple(want) if isinstance(want, (tuple, list))
-                                          else want):
-            return f"{key} {value} where the layer has {want}"
-    return ""

@@ -89,24 +89,29 @@ def _layer_writes(path: str, module: Adapted, state: Mapping[str, torch.Tensor],
     for what, have, given in (("network", layer.spec, saved["spec"]),
                               ("sizes", dict(layer.sizes), saved["sizes"]),
                               ("zeroed core", module.zeroed[into], saved["zeroed"]),
-                              ("step_rule", step_rule.rule_of(layer), saved.get("step_rule"))):
+                              ("step_rule", step_rule.rule_of(layer), saved.get("step_rule")),
+                              ("init", "offset" if into in module.offsets else "zero",
+                               saved.get("init", "zero"))):
         if have != given:
             raise SpecError(f"hotswap: layer {path!r}: the saved adapter's {what} is "
                             f"{given!r}, adapter {into!r} has {have!r}",
                             hint="hotswap writes values only; load_adapters then set_adapter "
                             "takes another network (a compiled model compiles it once)")
-    prefix = ".".join(filter(None, [path, "adapters", key])) + "."
     ratio = float(saved["scaling"]) / module.scaling[into]
     writes = []
-    for core, p in layer.state_dict(keep_vars=True).items():  # a bound's sigma included
-        value = state.get(prefix + core)
-        if value is None or tuple(value.shape) != tuple(p.shape):
-            raise SpecError(f"hotswap: layer {path!r}: core {core} is " + (
-                "missing" if value is None else f"{tuple(value.shape)}") +
-                f" in the saved state, expected {tuple(p.shape)}")
-        if core == module.zeroed[into]:  # its scaling, folded into the core it multiplies
-            value = value.double() * ratio
-        writes.append((p, value.to(p.device, p.dtype)))
+    parts = [("adapters", layer)] + ([("offsets", module.offsets[into])]
+                                     if into in module.offsets else [])
+    for part, held in parts:
+        prefix = ".".join(filter(None, [path, part, key])) + "."
+        for core, p in held.state_dict(keep_vars=True).items():  # a bound's sigma included
+            value = state.get(prefix + core)
+            if value is None or tuple(value.shape) != tuple(p.shape):
+                raise SpecError(f"hotswap: layer {path!r}: {part} core {core} is " + (
+                    "missing" if value is None else f"{tuple(value.shape)}") +
+                    f" in the saved state, expected {tuple(p.shape)}")
+            if core == module.zeroed[into]:  # its scaling, folded into the core it multiplies
+                value = value.double() * ratio
+            writes.append((p, value.to(p.device, p.dtype)))
     return writes
 
 

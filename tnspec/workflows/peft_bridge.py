@@ -23,7 +23,7 @@ from torch import nn
 
 from ..errors import SpecError
 from .adapted import delta_weight
-from .adapters import adapter_layer
+from .adapter_layers import adapter_layer
 from .dense_layers import CONVS, linear_kinds, stored
 
 

@@ -1,0 +1,167 @@
+"""``adapt(init="offset")``: every core drawn, a frozen copy of the adapter at init subtracted.
+The base's output at init (bit for bit without autograd, to float rounding with it) and an
+exact merge over every geometry; every core learning from the first step; the frozen copy
+saved, loaded, swapped and refused as the cores are."""
+
+from __future__ import annotations
+
+import copy
+import json
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import tnspec
+from experiments.adapters import GEOMETRIES
+
+from ..model_state import snapshot, unchanged
+
+FORMATS = ("low_rank", "cp", "tucker2", "tt", "tr", "tt_lora")
+
+
+def _adapt(model: nn.Module, fmt: str, rank: float | int, **kw) -> nn.Module:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # modes of small channel counts
+        return tnspec.adapt(model, fmt, rank=rank, init="offset", **kw)[0]
+
+
+def _small() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(8, 16, 3, padding=1), nn.ReLU(), nn.Flatten(),
+                         nn.Linear(16 * 5 * 5, 10))
+
+
+@pytest.mark.parametrize("rule", [None, "spectral"])
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("geometry", sorted(GEOMETRIES))
+def test_offset_adapters_are_the_base_at_init_and_merge_exactly(geometry, fmt, rule):
+    make, shape = GEOMETRIES[geometry]
+    torch.manual_seed(0)
+    base = make()
+    model = _adapt(nn.Sequential(copy.deepcopy(base)), fmt, 2, step_rule=rule)
+    adapted = model[0]
+    x = torch.randn(shape)
+    with torch.no_grad():  # no autograd: the adapter and its copy run the same kernels
+        assert torch.equal(model(x), base(x))
+    # with autograd, a matmul may take another kernel for a weight that requires grad: the
+    # two then differ in the last bits of the adapter's output, not more
+    drawn = adapted.scaling["default"] * adapted.adapters["default"](x)
+    assert (model(x) - base(x)).abs().max() <= 1e-5 * drawn.abs().max()
+    assert drawn.abs().max() > 0  # every core drawn: the adapter itself is not zero
+    assert torch.count_nonzero(adapted.delta_weight("default")) == 0  # merges to nothing
+    with torch.no_grad():
+        for p in adapted.adapters["default"].parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+        y = model(x)
+    assert not torch.allclose(y, base(x))
+    merged = tnspec.merge_adapters(model)
+    with torch.no_grad():
+        assert (merged(x) - y).norm() <= 1e-5 * y.norm()
+
+
+@pytest.mark.parametrize("fmt", ["tt", "tr", "tucker2"])
+def test_every_core_learns_from_the_first_step_where_a_zero_core_blocks_them(fmt):
+    x = torch.randn(6, 8, 5, 5)
+
+    def moved(init: str) -> set[str]:
+        torch.manual_seed(0)
+        model, _ = tnspec.adapt(_small(), fmt, rank=0.3, init=init, include=["0"])
+        model(x).pow(2).mean().backward()
+        layer = model[0].adapters["default"]
+        return {n for n, p in layer.named_parameters() if p.grad is not None and
+                p.grad.abs().max() > 0}
+
+    cores = {c.name for c in tnspec.adapt(_small(), fmt, rank=0.3, include=["0"])[0][0]
+             .adapters["default"].network.cores}
+    assert moved("offset") == cores
+    assert len(moved("zero")) == 1  # only the zero core: its neighbours' gradient is zero
+
+
+def test_the_frozen_copy_never_trains_and_adds_no_trainable_parameter():
+    zero, report = tnspec.adapt(_small(), "tt", rank=0.3)
+    model, offset_report = tnspec.adapt(_small(), "tt", rank=0.3, init="offset")
+    assert offset_report.trainable == report.trainable
+    assert "less its frozen copy at init" in str(offset_report)
+    assert "starts at zero" in str(report)
+    tnspec.adapt(model, "cp", rank=0.3, name="other")
+    tnspec.set_adapter(model, "default")
+    assert not any(p.requires_grad for p in model[0].offsets.parameters())
+    assert set(model[0].offsets) == {"default"}  # the cp adapter was built with a zero core
+
+
+def test_state_and_config_keep_the_frozen_copy_and_reload_bit_for_bit():
+    model = _adapt(_small(), "tr", 0.3, step_rule="spectral")
+    opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    x = torch.randn(4, 8, 5, 5)
+    for _ in range(3):
+        opt.zero_grad()
+        model(x).pow(2).mean().backward()
+        opt.step()
+    state, config = tnspec.adapter_state_dict(model), tnspec.adapter_config(model)
+    assert {k for k in state if ".offsets." in k} == \
+        {f"{p}.offsets.default.{c.name}" for p in ("0", "3")
+         for c in model[int(p)].adapters["default"].network.cores}
+    config = json.loads(json.dumps(config))
+    assert config["layers"]["0"]["adapters"]["default"]["init"] == "offset"
+    loaded = tnspec.load_adapters(_small(), state, config)
+    with torch.no_grad():
+        assert torch.equal(loaded(x), model(x))
+
+
+def test_a_config_without_the_init_or_an_unknown_one_is_refused_and_the_model_unchanged():
+    model = _adapt(_small(), "tt", 0.3)
+    state, config = tnspec.adapter_state_dict(model), tnspec.adapter_config(model)
+    stripped = copy.deepcopy(config)
+    for layer in stripped["layers"].values():
+        layer["adapters"]["default"].pop("init")
+    target = _small()
+    before = snapshot(target)
+    with pytest.raises(tnspec.SpecError, match=r"the frozen copy 'default' of layer '0': the "
+                       r"state has 'A', which its config does not build"):
+        tnspec.load_adapters(target, state, stripped)
+    assert unchanged(before, target)
+    future = copy.deepcopy(config)
+    future["layers"]["0"]["adapters"]["default"]["init"] = "orthogonal"
+    with pytest.raises(tnspec.SpecError, match="init 'orthogonal', which this tnspec does not "
+                       "know"):
+        tnspec.load_adapters(target, state, future)
+    assert unchanged(before, target)
+    with pytest.raises(tnspec.SpecError, match="unknown init 'random'"):
+        tnspec.adapt(target, "tt", init="random")
+    assert unchanged(before, target)
+
+
+def test_hotswap_writes_the_frozen_copy_and_refuses_a_zero_init_adapter():
+    x = torch.randn(4, 8, 5, 5)
+    model = _adapt(_small(), "tt", 0.3)
+    torch.manual_seed(1)
+    other = _adapt(_small(), "tt", 0.3)  # another draw: another frozen copy
+    with torch.no_grad():
+        for p in other.parameters():
+            if p.requires_grad:
+                p.add_(0.2 * torch.randn_like(p))
+    tnspec.hotswap(model, tnspec.adapter_state_dict(other), tnspec.adapter_config(other))
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), other(x), rtol=1e-5, atol=1e-6)
+    zero, _ = tnspec.adapt(_small(), "tt", rank=0.3)
+    before = snapshot(zero)
+    with pytest.raises(tnspec.SpecError, match="the saved adapter's init is 'offset', adapter "
+                       "'default' has 'zero'"):
+        tnspec.hotswap(zero, tnspec.adapter_state_dict(other), tnspec.adapter_config(other))
+    assert unchanged(before, zero)
+
+
+def test_lora_export_of_an_offset_adapter_is_its_delta():
+    model = _adapt(_small(), "tucker2", 0.3)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.add_(0.2 * torch.randn_like(p))
+    export = tnspec.export_lora(model, 64)  # full rank: the delta itself
+    a = export.state["base_model.model.3.lora_A.weight"].double()
+    b = export.state["base_model.model.3.lora_B.weight"].double()
+    delta = model[3].delta_weight("default")
+    assert export.errors["3"] < 1e-6
+    torch.testing.assert_close(b @ a, delta, rtol=1e-5, atol=1e-8)
