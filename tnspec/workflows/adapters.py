@@ -114,9 +114,11 @@ def adapt(model: nn.Module, fmt: Fmt = "low_rank", *, rank: int | float | None =
     their init spectral norm while they train, so that a chain's or ring's cores cannot
     align to grow the product by orders of magnitude (:mod:`~tnspec.workflows.step_rule`).
     ``init="offset"`` draws the zero core too and subtracts a frozen copy of the adapter as
-    drawn (``Adapted.offsets``): still exactly the base's output at init, but every core gets
-    a gradient from the first step, where a zero core blocks its neighbours' (the copy costs
-    one more forward of the adapter, no trainable parameter).
+    drawn (``Adapted.offsets``): still the base's output at init (bit for bit without
+    autograd, to float rounding with it: a matmul may pick another kernel for a weight that
+    requires grad), but every core gets a gradient from the first step, where a zero core
+    blocks its neighbours' (the copy costs one more forward of the adapter, no trainable
+    parameter).
 
     ``modules_to_save`` (names, glob patterns or a function of ``(name, module)``, as
     ``include``; a name also matches at the end of a longer one, ``"classifier"`` matching
