@@ -7,7 +7,7 @@ same trainable parameters, on the same batches, one learning rate (AdamW 1e-3), 
     python -m experiments.minilm_adapters --smoke
     python -m experiments.minilm_adapters --seeds 2 --rates 1e-3 3e-3 1e-2 \\
         --methods tt "tt +rule" tr "tr +rule" LoRA   # the step rule at three rates
-    python -m experiments.minilm_adapters --seeds 2 --rates 1e-3 3e-3 1e-2 \\
+    python -m experiments.minilm_adapters --seeds 3 --rates 1e-3 3e-3 1e-2 \\
         --methods "tt offset" "tr offset" "tt_lora offset" LoRA \\
         --out minilm_adapters_offset                 # adapt(init="offset") at three rates
 """

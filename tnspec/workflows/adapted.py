@@ -33,7 +33,7 @@ class Adapted(nn.Module):
         self.offsets = nn.ModuleDict()  # frozen copies at init (init="offset"), by adapter
         self.scaling: dict[str, float] = {}  # the zero core's Graph-in std, per adapter
         self.pads: dict[str, tuple[tuple[int, ...], str] | None] = {}  # F.pad before it
-        self.zeroed: dict[str, str] = {}  # the core that started at zero
+        self.zeroed: dict[str, str] = {}  # the core in Graph-in units (zero at init, or drawn)
         self.active: str | None = None
         self.disabled = False
 
@@ -138,8 +138,9 @@ def delta_weight(layer: Layer, scaling: float) -> torch.Tensor:
 def frozen_copy(layer: Layer) -> Layer:
     """A layer of ``layer``'s network and class holding, as frozen plain parameters, the values
     ``layer``'s network reads now (a core under a step rule's parametrization included). It runs
-    ``layer``'s planned code (:attr:`Layer.code_of`), so it computes what ``layer`` computes,
-    bit for bit, until ``layer`` trains."""
+    ``layer``'s planned code (:attr:`Layer.code_of`), so it computes what ``layer`` computes
+    until ``layer`` trains: bit for bit without autograd, to float rounding with it (a matmul
+    may pick another kernel for a weight that requires grad)."""
     cls = parametrize.type_before_parametrizations(layer)
     first = next(layer.parameters())
     with torch.device("meta"):  # nothing drawn: the values are copied below
