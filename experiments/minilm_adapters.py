@@ -10,6 +10,9 @@ same trainable parameters, on the same batches, one learning rate (AdamW 1e-3), 
     python -m experiments.minilm_adapters --seeds 3 --rates 1e-3 3e-3 1e-2 \\
         --methods "tt offset" "tr offset" "tt_lora offset" LoRA \\
         --out minilm_adapters_offset                 # adapt(init="offset") at three rates
+    python -m experiments.minilm_adapters --seeds 1 --rates 3e-3 1e-2 \\
+        --methods "tt offset" "tr offset" --scale 0.1 \\
+        --out minilm_adapters_offset_scale           # the offset init at a tenth of the scale
 """
 
 from __future__ import annotations
@@ -116,6 +119,8 @@ def main(argv: list[str] | None = None) -> int:
                         "step_rule='spectral'; by ' offset': with init='offset') and LoRA, "
                         "LoHa, LoKr")
     parser.add_argument("--out", default=None, help="the results file's name")
+    parser.add_argument("--scale", type=float, default=1.0,
+                        help="adapt's scale= for the tnspec adapters (1.0)")
     args = parser.parse_args(argv)
     started = time.time()
     encoder, tokenizer = assets.minilm()
@@ -156,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
                         model, fmt, rank=SHARE, include=lambda n, m: n in targets(base),
                         modules_to_save=["head"],
                         step_rule="spectral" if "+rule" in flags else None,
-                        init="offset" if "offset" in flags else "zero")
+                        init="offset" if "offset" in flags else "zero", scale=args.scale)
                     reference = reference or report.trainable
                 else:
                     r = matched_rank(base, method, reference or 120_000)
@@ -183,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
             f"48 tokens), AdamW {rate_text}, seeds {', '.join(map(str, seeds))}; accuracy on "
             f"{n_test:,} held-out snippets (0.5 is chance). Trainable parameters include the "
             "head (770). +rule: `adapt(step_rule=\"spectral\")`; offset: "
-            "`adapt(init=\"offset\")`. Final train loss: the mean "
+            f"`adapt(init=\"offset\")`; tnspec's scale={args.scale:g}. Final train loss: the mean "
             "of the last 20 steps; nan where a loss was not finite.\n\n"
             + markdown_table(["method", *(["lr"] if len(rates) > 1 else []), "trainable",
                               "accuracy (mean)", "std", "per seed", "final train loss",
