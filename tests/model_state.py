@@ -1,6 +1,7 @@
 """A model's whole state, to check that a workflow which raised left it exactly as it was: every
 parameter and buffer (values and ``requires_grad``), the module structure, which parameters
-are tied, and which adapter is active where."""
+are tied, and which adapter is active where (with each adapter's scaling, zeroed core,
+padding and frozen copy)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ def snapshot(model: nn.Module) -> dict[str, object]:
     for n, p in model.named_parameters(remove_duplicate=False):
         holders.setdefault(id(p), []).append(n)
     state["ties"] = sorted(names for names in holders.values() if len(names) > 1)
-    state["adapters"] = [(n, m.active, m.disabled) for n, m in model.named_modules()
+    state["adapters"] = [(n, m.active, m.disabled, dict(m.scaling), dict(m.zeroed),
+                          dict(m.pads), list(m.offsets)) for n, m in model.named_modules()
                          if isinstance(m, tnspec.Adapted)]
     return state
 

@@ -145,6 +145,12 @@ def test_hotswap_writes_the_frozen_copy_and_refuses_a_zero_init_adapter():
     tnspec.hotswap(model, tnspec.adapter_state_dict(other), tnspec.adapter_config(other))
     with torch.no_grad():
         torch.testing.assert_close(model(x), other(x), rtol=1e-5, atol=1e-6)
+    saved = tnspec.adapter_state_dict(other)
+    without = {k: v for k, v in saved.items() if k != "3.offsets.default.A"}
+    before = snapshot(model)
+    with pytest.raises(tnspec.SpecError, match=r"layer '3': offsets core A is missing"):
+        tnspec.hotswap(model, without, tnspec.adapter_config(other))
+    assert unchanged(before, model)  # layer 0's writes were checked, not made
     zero, _ = tnspec.adapt(_small(), "tt", rank=0.3)
     before = snapshot(zero)
     with pytest.raises(tnspec.SpecError, match="the saved adapter's init is 'offset', adapter "
@@ -153,15 +159,17 @@ def test_hotswap_writes_the_frozen_copy_and_refuses_a_zero_init_adapter():
     assert unchanged(before, zero)
 
 
-def test_lora_export_of_an_offset_adapter_is_its_delta():
+def test_lora_export_of_an_offset_adapter_is_what_the_adapter_adds():
     model = _adapt(_small(), "tucker2", 0.3)
     with torch.no_grad():
         for p in model.parameters():
             if p.requires_grad:
                 p.add_(0.2 * torch.randn_like(p))
     export = tnspec.export_lora(model, 64)  # full rank: the delta itself
-    a = export.state["base_model.model.3.lora_A.weight"].double()
-    b = export.state["base_model.model.3.lora_B.weight"].double()
-    delta = model[3].delta_weight("default")
+    a = export.state["base_model.model.3.lora_A.weight"]
+    b = export.state["base_model.model.3.lora_B.weight"]
     assert export.errors["3"] < 1e-6
-    torch.testing.assert_close(b @ a, delta, rtol=1e-5, atol=1e-8)
+    h = torch.randn(5, 16 * 5 * 5)
+    with torch.no_grad():  # against the layer's output, so that a delta without the offset fails
+        added = model[3](h) - model[3].base(h)
+    torch.testing.assert_close(h @ (b @ a).T, added, rtol=1e-4, atol=1e-5)

@@ -136,13 +136,12 @@ def adapter_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """
     state: dict[str, torch.Tensor] = {}
     for path, module in adapted_modules(model):
-        for key, part in parts(module).items():
-            prefix = ".".join(filter(None, [path, "adapters" if isinstance(module, Adapted)
-                                            else "copies", key]))
-            state |= {f"{prefix}.{n}": t.detach() for n, t in part.state_dict().items()}
-        for key, offset in getattr(module, "offsets", {}).items():
-            prefix = ".".join(filter(None, [path, "offsets", key]))
-            state |= {f"{prefix}.{n}": t.detach() for n, t in offset.state_dict().items()}
+        held = [("adapters", module.adapters), ("offsets", module.offsets)] \
+            if isinstance(module, Adapted) else [("copies", module.copies)]
+        for kind, named in held:
+            for key, part in named.items():
+                prefix = ".".join(filter(None, [path, kind, key]))
+                state |= {f"{prefix}.{n}": t.detach() for n, t in part.state_dict().items()}
     return state
 
 
