@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 import tnspec
-from tnspec.workflows import step_rule
+from tnspec.workflows.adapters import step_rule
 
 from . import adapters as base_experiment
 from .common import digits, markdown_table, save

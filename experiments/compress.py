@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 import tnspec
-from tnspec.workflows.compress import SHARES
+from tnspec.workflows.convert.compress import SHARES
 
 from .common import digits, markdown_table, save, train
 from .decompose import accuracy, cnn

@@ -1,6 +1,7 @@
-"""The package is grouped by stage and imports one way: no module imports a later stage, no cycle,
-no module over ~400 lines, a short top level, and ``import tnspec`` loads neither dynamo nor any
-interpreter of programs."""
+"""The package is grouped by stage and imports one way: no module imports a later stage, no cycle
+(typing-only imports included), no module over ~400 lines, no package over 14 modules, a short
+top level, the two families of workflows apart, and ``import tnspec`` loads neither dynamo nor
+any interpreter of programs."""
 
 from __future__ import annotations
 
@@ -20,6 +21,13 @@ STAGES = ("language", "analysis", "fit", "planning", "emit", "nn", "workflows")
 DATA = frozenset({"ir", "program", "shapes", "errors", "progress", "_version"})
 ENTRY = frozenset({"cli", "__init__", "__main__"})
 MAX_LINES = 400
+MAX_MODULES = 14
+#: the workflows' two families: neither imports the other; what both need sits in
+#: ``workflows/`` itself, which imports neither (docs/architecture.md, "Rules for workflows")
+FAMILIES = ("workflows.convert", "workflows.adapters")
+#: every package (a folder with an ``__init__.py``), by module name
+PACKAGES = frozenset(".".join(p.parent.relative_to(PACKAGE).parts)
+                     for p in PACKAGE.rglob("__init__.py") if p.parent != PACKAGE)
 
 
 def module_name(path: Path) -> str:
@@ -42,7 +50,7 @@ def resolve(importer: str, is_package: bool, node: ast.ImportFrom) -> list[str]:
     if not base:  # ``from tnspec import X`` / ``from . import X`` at the top
         return [a.name for a in node.names]
     target = ".".join(base)
-    if target in STAGES:  # ``from .nn import formats``: submodules of a stage package
+    if target in PACKAGES:  # ``from .nn import formats``: submodules of a package
         return [f"{target}.{a.name}" for a in node.names]
     return [target]
 
@@ -96,6 +104,32 @@ def later_stage_imports(graph: dict[str, dict[str, int]]) -> list[str]:
     return bad
 
 
+def family(module: str) -> str | None:
+    """The workflow family a module belongs to, ``"workflows"`` for what they share, or None."""
+    for name in FAMILIES:
+        if module == name or module.startswith(name + "."):
+            return name
+    return "workflows" if module.split(".")[0] == "workflows" else None
+
+
+def cross_family_imports(graph: dict[str, dict[str, int]]) -> list[str]:
+    """Each import of one workflow family by the other, or of either by what they share."""
+    bad = []
+    for module, deps in graph.items():
+        mine = family(module)
+        for dep, line in sorted(deps.items()):
+            theirs = family(dep)
+            if mine and theirs in FAMILIES and theirs != mine:
+                where = module.replace(".", "/") + ("/__init__.py" if module in PACKAGES
+                                                    else ".py")
+                what = ("the workflows' shared floor imports" if mine == "workflows" else
+                        f"{mine.split('.')[1]} imports")
+                bad.append(f"tnspec/{where}:{line}: {what} tnspec.{dep}, of the "
+                           f"{theirs.split('.')[1]} family (move what both need to "
+                           "tnspec/workflows/)")
+    return bad
+
+
 def test_no_module_imports_a_later_stage():
     bad = later_stage_imports(imports())
     assert not bad, "imports must run down the stages (docs/architecture.md):\n" + "\n".join(bad)
@@ -112,8 +146,26 @@ def test_the_stage_check_names_a_reversed_import():
         "planning)"]
 
 
-def test_no_import_cycle():
-    graph = imports(typing=False)  # a type-only import of a module that imports this one is fine
+def test_the_workflow_families_import_only_what_they_share():
+    bad = cross_family_imports(imports())
+    assert not bad, "\n".join(bad)
+
+
+def test_the_family_check_names_a_crossing_import():
+    graph = imports()
+    graph["workflows.adapters.adapt"] = {**graph["workflows.adapters.adapt"],
+                                         "workflows.convert.tensorize": 9}
+    graph["workflows.adapted"] = {**graph["workflows.adapted"], "workflows.adapters.state": 4}
+    assert cross_family_imports(graph) == [
+        "tnspec/workflows/adapted.py:4: the workflows' shared floor imports "
+        "tnspec.workflows.adapters.state, of the adapters family (move what both need to "
+        "tnspec/workflows/)",
+        "tnspec/workflows/adapters/adapt.py:9: adapters imports tnspec.workflows.convert.tensorize, "
+        "of the convert family (move what both need to tnspec/workflows/)"]
+
+
+def test_no_import_cycle_typing_imports_included():
+    graph = imports()
     state: dict[str, int] = {}
 
     def visit(mod: str, trail: list[str]) -> None:
@@ -143,6 +195,10 @@ def test_layout_short_top_level_and_small_modules():
     long = {str(p.relative_to(PACKAGE)): n for p in PACKAGE.rglob("*.py")
             if (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert not long, f"modules over {MAX_LINES} lines: split them along a seam: {long}"
+    crowded = {package: n for package in PACKAGES
+               if (n := len(list((PACKAGE / package.replace(".", "/")).glob("*.py"))) - 1)
+               > MAX_MODULES}
+    assert not crowded, f"packages over {MAX_MODULES} modules: give a family its room: {crowded}"
 
 
 def test_stages_import_only_what_they_need():
@@ -167,44 +223,43 @@ def test_stages_import_only_what_they_need():
                                              "planning.cost", "planning.measure"}
     assert graph["planning.choices"] == set()  # plain text about cached entries
     assert graph["planning.cache"] == set()  # the file alone: no model, no torch
-    # workflows above Layer: adapters build layers through the API, they plan nothing
-    assert not {d for d in graph["workflows.adapters"] if d.startswith(("planning.", "emit."))}
-    assert not {d for d in graph["workflows.adapter_layers"]
-                if d.startswith(("planning.", "emit.", "workflows.adapte"))}
-    assert graph["workflows.adapter_state"] <= {"errors", "shapes", "nn.api",
-                                                "workflows.adapted", "workflows.adapter_layers",
-                                                "workflows.dense_layers", "workflows.merge",
-                                                "workflows.step_rule"}
-    # the step rule: a parametrization of an adapter's cores, knowing no workflow
-    assert graph["workflows.step_rule"] <= {"errors", "nn.module"}
-    # which modules are dense layers: below every workflow, knowing none
-    assert graph["workflows.dense_layers"] <= {"errors"}
-    # every workflow may know the Adapted module; it knows none of them
-    assert graph["workflows.adapted"] <= {"errors", "fit.decompose", "nn.module"}
-    assert graph["workflows.peft_bridge"] <= {"errors", "workflows.adapted",
-                                              "workflows.adapter_layers",
-                                              "workflows.dense_layers"}
     assert graph["fit.moments"] <= {"errors"}
-    assert graph["workflows.observe"] <= {"errors", "fit.moments", "workflows.dense_layers"}
     assert graph["nn.embedding"] <= {"errors", "language.settings", "nn.api", "nn.formats"}
     # the model's memory format: measured as the layers' own orders are, no pipeline stage
     assert graph["nn.layout"] <= {"errors", "planning.calibration", "nn.autotune"}
-    assert graph["workflows.compress"] <= {"errors", "progress", "nn.formats", "nn.module",
-                                           "workflows.adapted", "workflows.tensorize",
-                                           "workflows.merge", "workflows.observe",
-                                           "workflows.dense_layers", "workflows.left_alone"}
-    assert graph["workflows.left_alone"] <= {"workflows.dense_layers", "workflows.merge"}
-    assert graph["workflows.lora_export"] <= {"errors", "workflows.adapted",
-                                              "workflows.dense_layers"}
-    assert graph["workflows.hotswap"] <= {"errors", "workflows.adapted",
-                                          "workflows.adapter_state", "workflows.step_rule"}
+    # the workflows' shared floor: plain module-tree work, knowing no workflow
+    assert graph["workflows.dense_layers"] <= {"errors"}
+    assert graph["workflows.model_tree"] == set()
+    assert graph["workflows.stand_ins"] <= {"nn.module"}
+    assert graph["workflows.left_alone"] <= {"workflows.dense_layers", "workflows.model_tree"}
+    assert graph["workflows.adapted"] <= {"errors", "fit.decompose", "nn.module"}
+    # adapters: above Layer, they build layers through the API and plan nothing
+    adapters = {m: d for m, d in graph.items() if m.startswith("workflows.adapters.")}
+    assert not {d for deps in adapters.values() for d in deps
+                if d.startswith(("planning.", "emit."))}
+    assert not {d for d in graph["workflows.adapters.layers"]
+                if d.startswith("workflows.adapters.")}
+    # the step rule: a parametrization of an adapter's cores, knowing no workflow
+    assert graph["workflows.adapters.step_rule"] <= {"errors", "nn.module"}
+    assert graph["workflows.adapters.lora_export"] <= {"errors", "workflows.adapted",
+                                                       "workflows.dense_layers"}
+    assert graph["workflows.adapters.hotswap"] <= {"errors", "workflows.adapted",
+                                                   "workflows.adapters.state",
+                                                   "workflows.adapters.step_rule"}
+    assert graph["workflows.adapters.peft_bridge"] <= {"errors", "workflows.adapted",
+                                                       "workflows.adapters.layers",
+                                                       "workflows.dense_layers"}
+    # conversion: what a model feeds its layers is observed without knowing a format
+    assert graph["workflows.convert.observe"] <= {"errors", "fit.moments",
+                                                  "workflows.dense_layers"}
+    assert graph["workflows.convert.activations"] <= {"workflows.dense_layers"}
     assert "__init__" not in set().union(*(d for m, d in graph.items() if m != "__main__"))
 
 
-@pytest.mark.parametrize("stage", STAGES)
-def test_stage_packages_import_nothing(stage):
-    """A stage's ``__init__`` is its description only: importing one stage loads no other."""
-    assert imports()[stage] == {}
+@pytest.mark.parametrize("package", sorted(PACKAGES))
+def test_packages_import_nothing(package):
+    """A package's ``__init__`` is its description only: importing one stage loads no other."""
+    assert imports()[package] == {}
 
 
 def test_import_loads_no_dynamo_and_architecture_lists_every_module():

@@ -29,15 +29,15 @@ from .nn.audit import Audit, audit
 from .nn.embedding import EmbeddingBag, TiedHead, embedding, embedding_bag
 from .nn.module import Layer
 from .workflows.adapted import Adapted, Saved, set_adapter
-from .workflows.adapter_state import (adapter_config, adapter_state_dict, disable_adapters,
+from .workflows.adapters.state import (adapter_config, adapter_state_dict, disable_adapters,
                                       load_adapters, merge_adapters)
-from .workflows.adapters import AdaptReport, adapt
-from .workflows.compress import CompressReport, compress
-from .workflows.hotswap import hotswap
-from .workflows.lora_export import LoraExport, export_lora
-from .workflows.merge import merge
-from .workflows.peft_bridge import register_peft
-from .workflows.tensorize import tensorize
+from .workflows.adapters.adapt import AdaptReport, adapt
+from .workflows.convert.compress import CompressReport, compress
+from .workflows.adapters.hotswap import hotswap
+from .workflows.adapters.lora_export import LoraExport, export_lora
+from .workflows.convert.merge import merge
+from .workflows.adapters.peft_bridge import register_peft
+from .workflows.convert.tensorize import tensorize
 
 
 __all__ = [

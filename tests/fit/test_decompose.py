@@ -12,7 +12,7 @@ from torch import nn
 import tnspec
 from tnspec import formats
 from tnspec.fit import als, decompose
-from tnspec.workflows import merge, tensorize
+from tnspec.workflows.convert import merge, tensorize
 
 
 def _instance(fmt: formats.Format, seed: int, noise: float = 0.005,

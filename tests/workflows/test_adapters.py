@@ -261,8 +261,8 @@ def test_shared_layers_get_one_adapter_and_float_ranks_are_shares():
 
 def test_the_adapt_docstring_example_runs():
     import doctest
-    from tnspec.workflows import adapters
-    result = doctest.testmod(adapters, extraglobs={"nn": nn})
+    from tnspec.workflows.adapters import adapt
+    result = doctest.testmod(adapt, extraglobs={"nn": nn})
     assert result.failed == 0 and result.attempted >= 3
 
 
@@ -341,7 +341,7 @@ def test_a_zero_weight_still_gives_a_scaled_adapter():
 
 def test_peft_runs_tnspec_adapters_through_its_own_api(tmp_path):
     peft = pytest.importorskip("peft", reason="the PEFT integration needs peft")
-    from tnspec.workflows.peft_bridge import register_peft
+    from tnspec.workflows.adapters.peft_bridge import register_peft
     torch.manual_seed(0)
     base = nn.Sequential(nn.Conv2d(4, 8, 3, padding=1, padding_mode="reflect"), nn.ReLU(),
                          nn.Flatten(), nn.Linear(8 * 36, 6))

@@ -165,7 +165,7 @@ def test_a_failed_load_leaves_the_model_as_it_was():
 
 def test_peft_builds_each_adapter_in_the_format_its_own_config_registered():
     peft = pytest.importorskip("peft")
-    from tnspec.workflows.peft_bridge import register_peft
+    from tnspec.workflows.adapters.peft_bridge import register_peft
     torch.manual_seed(0)
     base = nn.Sequential(nn.Conv2d(4, 8, 3, padding=1), nn.ReLU(), nn.Flatten(),
                          nn.Linear(8 * 36, 6))
@@ -234,7 +234,7 @@ def test_peft_runs_tnspec_adapters_beside_a_half_precision_model(dtype):
     """PEFT keeps adapters in float32 beside a bf16 or fp16 base, as for its own LoRA: the
     input is cast to the adapter's dtype, and its output back."""
     peft = pytest.importorskip("peft")
-    from tnspec.workflows.peft_bridge import register_peft
+    from tnspec.workflows.adapters.peft_bridge import register_peft
     torch.manual_seed(0)
     base = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 8)).to(dtype)
     x = torch.randn(4, 16).to(dtype)
@@ -259,7 +259,7 @@ def test_peft_refuses_saved_tnspec_adapters_without_the_registered_config(tmp_pa
     """Loaded as PEFT's plain LoRA, they would compute the base model's outputs (a warning
     about missing keys aside): the saved config lets only the registered one load them."""
     peft = pytest.importorskip("peft")
-    from tnspec.workflows.peft_bridge import register_peft
+    from tnspec.workflows.adapters.peft_bridge import register_peft
     torch.manual_seed(0)
     base = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 8))
     config = register_peft(peft.LoraConfig(r=2, target_modules=["0", "2"]), "cp", scale=0.5)

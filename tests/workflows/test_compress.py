@@ -17,7 +17,7 @@ from torch import nn
 import tnspec
 from tnspec import formats
 from tnspec.fit import moments
-from tnspec.workflows.compress import _allocate
+from tnspec.workflows.convert.compress import _allocate
 
 from ..model_state import snapshot, unchanged
 

@@ -15,7 +15,7 @@ from torch import nn
 import tnspec
 from experiments.adapter_dynamics import drift
 from experiments.adapters import GEOMETRIES
-from tnspec.workflows import step_rule
+from tnspec.workflows.adapters import step_rule
 
 from ..model_state import snapshot, unchanged
 

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import tnspec
-from tnspec.workflows.tensorize import TensorizedConv, TensorizedLinear
+from tnspec.workflows.convert.tensorize import TensorizedConv, TensorizedLinear
 
 from ..model_state import snapshot, unchanged
 

@@ -185,7 +185,7 @@ class Layer(nn.Module):
         ``F.conv2d(x, layer.dense_weight(), layer.bias, layer.stride, layer.padding,
         layer.dilation, layer.groups)`` equals ``layer(x)``. A SpecError for a network that is
         neither conv-like nor linear-like."""
-        return fitting.dense_weight(self)
+        return fitting.dense_weight(self.network, self._cores())
 
     def fit_(self, weight: torch.Tensor, *, inputs: torch.Tensor | None = None,
              max_iter: int = 200, tol: float = 1e-7, starts: int = 4, hops: int = 64,
@@ -218,7 +218,13 @@ class Layer(nn.Module):
 
     def _fit(self, weight: torch.Tensor, metric: torch.Tensor | None, **options: Any) -> float:
         """:meth:`fit_` with the inputs' metric factor (``tnspec.fit.moments``) already built."""
-        return fitting.fit(self, weight, metric, **options)
+        table = (self.num_embeddings, self.embedding_dim) if self.network.lookup else None
+        return fitting.fit(self.network, self._cores, weight, metric, table, **options)
+
+    def _cores(self) -> dict[str, torch.Tensor]:
+        """The cores by name, read as attributes: a core under a parametrization is read as the
+        network reads it."""
+        return {c.name: getattr(self, c.name) for c in self.network.cores}
 
     def source(self, shape: Sequence[int]) -> str:
         """The generated module whose ``forward`` this layer runs for an input of ``shape``:

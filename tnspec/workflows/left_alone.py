@@ -8,7 +8,7 @@ from __future__ import annotations
 from torch import nn
 
 from .dense_layers import is_transposed
-from .merge import parameter_holders
+from .model_tree import parameter_holders
 
 
 def tied(model: nn.Module) -> dict[str, str]:

@@ -16,13 +16,14 @@ from torch.nn.utils import parametrize
 from torch.nn.utils.spectral_norm import SpectralNorm
 from torch.nn.utils.weight_norm import WeightNorm
 
-from ..errors import SpecError
-from ..shapes import geometry
-from ..nn.api import _with_options, compile
-from .adapted import Adapted, Saved, adapted_modules, frozen_copy, parts, set_adapter
-from .adapter_layers import INITS, TensorizedConv, TensorizedLinear, _geometry_differs, _padding
-from .dense_layers import is_dense, is_linear, kind_names, stored, weight_of
-from .merge import parameter_holders, set_submodule
+from ...errors import SpecError
+from ...shapes import geometry
+from ...nn.api import _with_options, compile
+from ..adapted import Adapted, Saved, adapted_modules, frozen_copy, parts, set_adapter
+from ..dense_layers import is_dense, is_linear, kind_names, stored, weight_of
+from ..model_tree import parameter_holders, set_submodule
+from ..stand_ins import TensorizedConv, TensorizedLinear
+from .layers import INITS, _geometry_differs, _padding
 from . import step_rule
 
 FORMAT = "tnspec-adapters/2"  # the tag of adapter_config's layout

@@ -11,9 +11,9 @@ import torch
 import torch.utils._pytree
 from torch import nn
 
-from ..errors import SpecError
-from ..fit import moments
-from .dense_layers import is_linear
+from ...errors import SpecError
+from ...fit import moments
+from ..dense_layers import is_linear
 
 #: runs the model on one batch: ``run(model, batch)``
 Runner = Callable[[nn.Module, Any], Any]

@@ -16,9 +16,9 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
-from ..errors import SpecError
-from .adapted import Adapted, Saved, adapted_modules
-from .adapter_state import FORMAT
+from ...errors import SpecError
+from ..adapted import Adapted, Saved, adapted_modules
+from .state import FORMAT
 from . import step_rule
 
 

@@ -32,16 +32,16 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..errors import SpecError
-from ..progress import Progress
-from ..nn import formats as format_names
-from ..nn.module import Layer
+from ...errors import SpecError
+from ...progress import Progress
+from ...nn import formats as format_names
+from ...nn.module import Layer
+from ..adapted import adapted_parts
+from ..dense_layers import check_forward, is_dense, never_replaced, weight_of
+from ..left_alone import read_directly, tied
+from ..model_tree import Selector, first_skipped, selected, set_submodule
 from . import observe
-from .adapted import adapted_parts
-from .merge import set_submodule
-from .dense_layers import check_forward, is_dense, never_replaced, weight_of
-from .left_alone import read_directly, tied
-from .tensorize import Selector, _keep_state, _replacement, _selected, first_skipped
+from .tensorize import _keep_state, _replacement
 
 FORMATS = ("low_rank", "cp", "tucker2", "tt", "tr")  # the cheaper fits first
 SHARES = (0.05, 0.1, 0.2, 0.35, 0.5, 0.75)
@@ -212,7 +212,7 @@ def compress(model: nn.Module, budget: float = 0.25, formats: Sequence[str] = FO
     layers, skipped = [], []
     for name, module in model.named_modules():
         if not is_dense(module) or isinstance(module, Layer) or \
-                not _selected(name, module, include, exclude):
+                not selected(name, module, include, exclude):
             continue
         try:
             if name in left_alone:

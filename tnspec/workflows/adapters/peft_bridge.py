@@ -21,10 +21,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..errors import SpecError
-from .adapted import delta_weight
-from .adapter_layers import adapter_layer
-from .dense_layers import CONVS, linear_kinds, stored
+from ...errors import SpecError
+from ..adapted import delta_weight
+from ..dense_layers import CONVS, linear_kinds, stored
+from .layers import adapter_layer
 
 
 def register_peft(config: Any, fmt: str = "tt", *, scale: float = 1.0,

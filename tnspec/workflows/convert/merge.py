@@ -10,11 +10,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import SpecError
-from ..shapes import geometry
-from ..nn.embedding import EmbeddingBag, TiedHead
-from ..nn.module import Layer
-from .adapted import inside_adapted
+from ...errors import SpecError
+from ...shapes import geometry
+from ...nn.embedding import EmbeddingBag, TiedHead
+from ...nn.module import Layer
+from ..adapted import inside_adapted
+from ..model_tree import set_submodule
 
 
 def merge(model: nn.Module) -> nn.Module:
@@ -133,19 +134,3 @@ def _dense_bag(bag: EmbeddingBag) -> nn.Module:
                             dtype=table.weight.dtype, device=table.weight.device)
     dense.weight.requires_grad_(table.weight.requires_grad)
     return dense.train(bag.training)
-
-
-def set_submodule(model: nn.Module, name: str, new: nn.Module) -> None:
-    parent, _, child = name.rpartition(".")
-    setattr(model.get_submodule(parent) if parent else model, child, new)
-
-
-def parameter_holders(model: nn.Module) -> dict[int, list[tuple[str, nn.Module]]]:
-    """Each parameter (by id) -> the modules holding it as their own, with their names (one
-    module registered under two names appears twice): where it has more than one, the
-    parameter is tied."""
-    holders: dict[int, list[tuple[str, nn.Module]]] = {}
-    for name, module in model.named_modules(remove_duplicate=False):
-        for p in module.parameters(recurse=False):
-            holders.setdefault(id(p), []).append((name, module))
-    return holders

@@ -23,16 +23,15 @@ from typing import Any, Mapping
 
 from torch import nn
 
-from ..errors import SpecError
-from ..nn import formats
-from ..nn.module import Layer
-from .adapted import Adapted, Saved, frozen_copy, inside_adapted, set_adapter
-from .adapter_layers import INITS, Fmt, adapter_layer
-from .dense_layers import check_forward, is_dense, kind_names
-from .merge import parameter_holders, set_submodule
+from ...errors import SpecError
+from ...nn import formats
+from ...nn.module import Layer
+from ..adapted import Adapted, Saved, frozen_copy, inside_adapted, set_adapter
+from ..dense_layers import check_forward, is_dense, kind_names
+from ..left_alone import read_directly
+from ..model_tree import Selector, first_skipped, parameter_holders, selected, set_submodule
+from .layers import INITS, Fmt, adapter_layer
 from . import step_rule as step_rule_
-from .left_alone import read_directly
-from .tensorize import Selector, _selected, first_skipped
 
 
 @dataclass(frozen=True)
@@ -112,7 +111,7 @@ def adapt(model: nn.Module, fmt: Fmt = "low_rank", *, rank: int | float | None =
     Graph-in scale, the adapter's output variance is ``scale`` times the base layer's.
     ``step_rule="spectral"`` holds the adapter's inner cores (those with two bonds or more) at
     their init spectral norm while they train, so that a chain's or ring's cores cannot
-    align to grow the product by orders of magnitude (:mod:`~tnspec.workflows.step_rule`).
+    align to grow the product by orders of magnitude (:mod:`~tnspec.workflows.adapters.step_rule`).
     ``init="offset"`` draws the zero core too and subtracts a frozen copy of the adapter as
     drawn (``Adapted.offsets``): still the base's output at init (bit for bit without
     autograd, to float rounding with it: a matmul may pick another kernel for a weight that
@@ -171,7 +170,7 @@ def adapt(model: nn.Module, fmt: Fmt = "low_rank", *, rank: int | float | None =
             owner = None
         else:
             continue
-        if not _selected(path, module, include, exclude) or \
+        if not selected(path, module, include, exclude) or \
                 any(path == p or path.startswith(p + ".") for p, _ in to_save):
             continue
         if id(module) in wrapped:  # one module under several names: one Adapted for all
@@ -246,7 +245,7 @@ def _to_save(model: nn.Module, selector: Selector, name: str) -> list[tuple[str,
     def chosen(path: str, module: nn.Module) -> bool:  # PEFT's rule: a suffix matches too
         if patterns is None:
             return bool(selector(path, module))
-        return any(_selected(path, module, p, None) or path.endswith("." + p)
+        return any(selected(path, module, p, None) or path.endswith("." + p)
                    for p in patterns)
     inside = inside_adapted(model)
     found: list[tuple[str, nn.Module]] = []

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .dense_layers import is_dense
+from ..dense_layers import is_dense
 _PASS_THROUGH = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.Identity,
                  nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
 _MODULE_ACTIVATIONS = {nn.ReLU: "relu", nn.ReLU6: "relu", nn.Tanh: "tanh", nn.GELU: "gelu",

@@ -1,51 +1,34 @@
 """``tnspec.tensorize``: replace the ``nn.Conv1d/2d/3d`` and linear layers (``nn.Linear``,
 Hugging Face's ``Conv1D``) of an existing model by tensorial layers of a named format, either
 freshly initialized for the activation that follows them (Graph-in by default) or fitted to the
-trained weights they replace (``weights="fit"``). ``tnspec.merge`` (``tnspec.workflows.merge``)
+trained weights they replace (``weights="fit"``). ``tnspec.merge`` (``tnspec.workflows.convert.merge``)
 is the way back.
 """
 
 from __future__ import annotations
 
-import fnmatch
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 from torch import nn
 
-from ..errors import SpecError
-from ..progress import Progress
-from ..fit import decompose
-from ..nn import formats, layout
-from ..nn.api import _with_options, compile
-from ..nn.embedding import TiedHead, replacing
-from ..nn.layout import LayoutChoice
-from ..nn.module import Layer
+from ...errors import SpecError
+from ...progress import Progress
+from ...fit import decompose
+from ...nn import formats, layout
+from ...nn.api import _with_options, compile
+from ...nn.embedding import TiedHead, replacing
+from ...nn.layout import LayoutChoice
+from ...nn.module import Layer
+from ..adapted import adapted_parts
+from ..dense_layers import (check_forward, features, is_dense, is_linear, never_replaced,
+                            weight_of)
+from ..left_alone import read_directly, tied, tied_heads
+from ..model_tree import Selector, selected, set_submodule
+from ..stand_ins import TensorizedConv, TensorizedLinear
 from .activations import following_activations
-from .adapted import adapted_parts
-from .dense_layers import (check_forward, features, is_dense, is_linear, never_replaced,
-                           weight_of)
-from .left_alone import read_directly, tied, tied_heads
-from .merge import set_submodule
-
-Selector = str | Sequence[str] | Callable[[str, nn.Module], bool] | None
-
-
-class TensorizedLinear(Layer):
-    """A tnspec layer standing in for a linear layer (``nn.Linear``, Hugging Face's ``Conv1D``):
-    any number of leading dimensions."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = super().forward(x.reshape(-1, x.shape[-1]))
-        return y.reshape(*x.shape[:-1], y.shape[-1])
-
-
-class TensorizedConv(Layer):
-    """A tnspec layer standing in for ``nn.ConvNd`` (batched or unbatched input, as every
-    conv-like layer)."""
-
 
 @dataclass(frozen=True)
 class Replacement:
@@ -177,7 +160,7 @@ def tensorize(model: nn.Module, format: str = "tucker2", *, rank: int | float = 
     left_alone = {**read_directly(model), **tied(model), **adapted_parts(model)}
     # a head tied to its token embedding, both selected: the head reads the new table
     heads = {h: e for h, e in tied_heads(model).items()
-             if all(_selected(n, model.get_submodule(n), include, exclude) for n in (h, e))}
+             if all(selected(n, model.get_submodule(n), include, exclude) for n in (h, e))}
     for name in (*heads, *heads.values()):
         left_alone.pop(name, None)
     replaced, skipped, kinds = [], [], []
@@ -185,7 +168,7 @@ def tensorize(model: nn.Module, format: str = "tucker2", *, rank: int | float = 
     progress = Progress("tensorize")  # a line per layer where a person watches
     for name, module in list(model.named_modules()):
         if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and \
-                _selected(name, module, include, exclude):
+                selected(name, module, include, exclude):
             try:
                 if name in left_alone:
                     raise SpecError(left_alone[name])
@@ -203,7 +186,7 @@ def tensorize(model: nn.Module, format: str = "tucker2", *, rank: int | float = 
             continue
         if not is_dense(module) or isinstance(module, Layer):
             continue
-        if not _selected(name, module, include, exclude) or name in heads:
+        if not selected(name, module, include, exclude) or name in heads:
             continue
         act, source = (activation, "given") if activation is not None else \
             following.get(name, ("linear", "no activation found after it"))
@@ -258,13 +241,6 @@ def _tie(model: nn.Module, head: str, table: str, replaced: list, skipped: list,
     replaced.append(Replacement(head, repr(old), new.spec, old.weight.numel() + (
         0 if old.bias is None else old.bias.numel()), 0 if old.bias is None else
         old.bias.numel(), "linear", "tied", note=f"reads the table of {table!r} (tied)"))
-
-
-def first_skipped(skipped: Sequence[tuple[str, str]]) -> str:
-    """``"layer: why (and 2 more layer(s))"``: why a workflow that changed nothing did not."""
-    name, why = skipped[0]
-    return f"{name}: {why}" + (f" (and {len(skipped) - 1} more layer(s))"
-                               if len(skipped) > 1 else "")
 
 
 def _ratio(before: int, after: int) -> str:
@@ -375,13 +351,3 @@ def _smallest(module: nn.Module, format: str, init: str, activation: str | float
                         f"{sum(p.numel() for p in best.parameters()):,} parameters, not fewer "
                         f"than the dense layer's {dense:,}")
     return best, best_error
-
-
-def _selected(name: str, module: nn.Module, include: Selector, exclude: Selector) -> bool:
-    def matches(selector: Selector) -> bool:
-        if callable(selector):
-            return bool(selector(name, module))
-        patterns = [selector] if isinstance(selector, str) else list(selector or ())
-        return any(fnmatch.fnmatchcase(name, p) for p in patterns)
-    return (include is None or matches(include)) and not (exclude is not None and
-                                                          matches(exclude))

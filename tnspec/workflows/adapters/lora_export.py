@@ -12,9 +12,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import SpecError
-from .adapted import Adapted, adapted_modules
-from .dense_layers import is_linear, is_transposed
+from ...errors import SpecError
+from ..adapted import Adapted, adapted_modules
+from ..dense_layers import is_linear, is_transposed
 
 
 @dataclass(frozen=True)

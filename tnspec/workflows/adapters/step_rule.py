@@ -26,8 +26,8 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from ..errors import SpecError
-from ..nn.module import Layer
+from ...errors import SpecError
+from ...nn.module import Layer
 
 #: the rules ``adapt(step_rule=...)`` knows (None: every core free, as built)
 RULES = ("spectral",)

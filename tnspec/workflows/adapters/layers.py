@@ -12,18 +12,18 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
-from ..errors import SpecError
-from ..ir import Network
-from ..shapes import geometry, nn_attributes
-from ..language.parse import parse
-from ..language.settings import SCALE_RANGE
-from ..analysis.init import core_inits
-from ..fit import decompose
-from ..nn import formats
-from ..nn.api import _with_options, compile
-from ..nn.module import Layer
-from .dense_layers import features, is_linear, weight_of
-from .tensorize import TensorizedConv, TensorizedLinear
+from ...errors import SpecError
+from ...ir import Network
+from ...shapes import geometry, nn_attributes
+from ...language.parse import parse
+from ...language.settings import SCALE_RANGE
+from ...analysis.init import core_inits
+from ...fit import decompose
+from ...nn import formats
+from ...nn.api import _with_options, compile
+from ...nn.module import Layer
+from ..dense_layers import features, is_linear, weight_of
+from ..stand_ins import TensorizedConv, TensorizedLinear
 
 Fmt = str | formats.Format | Network
 
