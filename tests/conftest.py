@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tnspec import progress
 from tnspec.planning import calibration, measure
 from tnspec.nn.autotune import Timing
 from tnspec.planning.cost import CostModel
@@ -35,6 +36,30 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "slow" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def stopped_clock(monkeypatch):
+    """The clock that bounds long jobs (the ``max_seconds`` of fits and of ``compress``) stands
+    still, so that no test's outcome depends on how busy the machine is: a fit runs to its
+    sweeps' and hops' own ends on a loaded laptop as on a quiet one. A test of a time bound
+    makes the clock tick itself (:func:`ticking`)."""
+    monkeypatch.setattr(progress, "clock", lambda: 0.0)
+
+
+@pytest.fixture
+def ticking(monkeypatch):
+    """``ticking(step)``: from then on every read of the jobs' clock advances it by ``step``
+    seconds; returns the list of the times read."""
+    def start(step: float) -> list[float]:
+        reads: list[float] = []
+
+        def clock() -> float:
+            reads.append(len(reads) * step)
+            return reads[-1]
+        monkeypatch.setattr(progress, "clock", clock)
+        return reads
+    return start
 
 
 @pytest.fixture

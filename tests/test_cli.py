@@ -338,7 +338,12 @@ def test_check_and_explain_take_set_and_layer(tmp_path, capsys):
     out = capsys.readouterr().out.splitlines()
     assert len(out) == 1 and out[0].startswith(f"{two}: cp: 4 cores, 792 parameters")
     assert main(["check", str(two), "--set", "zz=4"]) == 2
-    assert "no layer has a parameter named 'zz'" in capsys.readouterr().err
+    assert "no layer has a parameter named 'zz'; the parameters are: c, o, r, k" in \
+        capsys.readouterr().err
+    assert main(["compile", str(ROOT / "examples" / "htk2.tn"), "--set", "r=4", "-o", "-"]) == 2
+    err = capsys.readouterr().err
+    assert "no layer has a parameter named 'r'; the parameters are: c, o, r0, r1, k, phi" in err
+    assert "hint: did you mean 'r1'?" in err
     assert main(["explain", str(ROOT / "examples" / "cp.tn"), "--set", "r=4"]) == 0
     assert "hyperedge    r=4" in capsys.readouterr().out
     assert main(["explain", str(two), "--layer", "cp", "--set", "q=4"]) == 2

@@ -54,11 +54,14 @@ class Call:
 
 @dataclass(frozen=True)
 class CheckShape:
-    """Raise ValueError unless ``var`` has as many axes as ``expected`` and the given sizes."""
+    """Raise ValueError unless ``var`` has as many axes as ``expected`` and the given sizes;
+    where ``unbatched`` names the flag of an input taken without its batch axis (and given one
+    since), the message quotes the shape as the caller gave it."""
 
     var: str
     tensor: str
     expected: tuple[tuple[str, Size | None], ...]
+    unbatched: str | None = None
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,16 @@ from typing import TextIO
 
 log = logging.getLogger("tnspec")
 
+#: the clock that bounds long jobs (the ``max_seconds`` of fits and of ``compress``), read in
+#: this one place so that a test can run them on a clock of its own (``tests/conftest.py``
+#: stops it: no test's outcome depends on how busy the machine is)
+clock = time.monotonic
+
+
+def now() -> float:
+    """Seconds on :data:`clock`."""
+    return clock()
+
 
 class Progress:
     """A status line for ``what``; silent unless ``stream`` (stderr) is a terminal."""

@@ -172,17 +172,24 @@ def axis_text(axis: Sequence[str]) -> str:
 
 
 def shape_message(name: str, expected: Sequence[tuple[str, int | None]],
-                  shape: Sequence[int]) -> str:
-    want = ", ".join(f"{t}={d}" if d is not None else t for t, d in expected)
-    return f"{name}: expected shape [{want}], got {list(shape)}"
+                  shape: Sequence[int], unbatched: bool | None = None) -> str:
+    """``x: expected shape [b, c=3, h], got [...]``; where ``unbatched`` is not None (the
+    layer also takes its input without the batch axis), that form too."""
+    def text(axes: Sequence[tuple[str, int | None]]) -> str:
+        return "[" + ", ".join(f"{t}={d}" if d is not None else t for t, d in axes) + "]"
+    also = f" or, unbatched, {text(expected[1:])}" if unbatched is not None else ""
+    return f"{name}: expected shape {text(expected)}{also}, got {list(shape)}"
 
 
 def check_shape(name: str, expected: Sequence[tuple[str, int | None]],
-                shape: Sequence[int]) -> None:
-    """Raise ValueError unless ``shape`` has the expected rank and static axis sizes."""
-    if len(shape) != len(expected) or any(
-            d is not None and shape[n] != d for n, (_, d) in enumerate(expected)):
-        raise ValueError(shape_message(name, expected, shape))
+                shape: Sequence[int], unbatched: bool | None = None) -> None:
+    """Raise ValueError unless ``shape`` has the expected rank and static axis sizes. Where the
+    layer also takes an input without its (first) batch axis, ``unbatched`` says whether
+    ``shape`` is one; the message quotes the shape as given either way."""
+    full = (1, *shape) if unbatched else tuple(shape)
+    if len(full) != len(expected) or any(
+            d is not None and full[n] != d for n, (_, d) in enumerate(expected)):
+        raise ValueError(shape_message(name, expected, shape, unbatched))
 
 
 def expected_axes(t: Tensor, sizes: Mapping[str, int]) -> list[tuple[str, int | None]]:

@@ -115,11 +115,16 @@ def test_wrong_input_shape_names_the_expected_size(tmp_path):
     text = (EXAMPLES[0].parent / "htk2.tn").read_text()
     module = load(generate(text), tmp_path, "htk2_shape")
     for m in (tnspec.layer(text), module.Htk2()):
-        with pytest.raises(ValueError, match=r"x: expected shape \[b, c=64, h\+kh-1, w\+kw-1\], "
-                                             r"got \[2, 32, 8, 8\]"):
+        with pytest.raises(ValueError, match=r"x: expected shape \[b, c=64, h\+kh-1, w\+kw-1\] or, "
+                                             r"unbatched, .*, got \[2, 32, 8, 8\]"):
             m(torch.randn(2, 32, 8, 8))
         with pytest.raises(ValueError, match=r"expected shape .* got \[64, 8\]"):
             m(torch.randn(64, 8))
+        # an unbatched input of the wrong size: the shape as given, not with the batch added
+        with pytest.raises(ValueError, match=r"x: expected shape \[b, c=64, h\+kh-1, w\+kw-1\] or, "
+                                             r"unbatched, \[c=64, h\+kh-1, w\+kw-1\], got "
+                                             r"\[2, 64, 8\]$"):
+            m(torch.randn(2, 64, 8))
 
 
 def test_cli_compile_writes_atomically(tmp_path, capsys):

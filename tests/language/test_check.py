@@ -233,6 +233,23 @@ def test_dangling_core_index():
     assert "summed away silently" in str(err)
 
 
+def test_two_dangling_indices_that_look_alike_are_one_typo_with_a_did_you_mean():
+    # 'rl' typed for 'r1': one error at the later one, naming both cores, not two errors
+    with pytest.raises(tnspec.SpecError) as info:
+        tnspec.compile("x[b, c], U[c, r1], V[rl, o] -> y[b, o]", c=4, o=4, r1=2, rl=2)
+    err = info.value
+    assert len(err.errors) == 1 and (err.line, err.column) == (1, 22)
+    assert "core index 'rl' of 'V' and 'r1' of 'U' each appear once" in str(err)
+    assert "hint: did you mean 'r1'? One name joins 'U' and 'V'" in str(err)
+    # one dangling index next to an index it looks like elsewhere: a did-you-mean in its hint
+    with pytest.raises(tnspec.SpecError, match=r"did you mean 'oo'\? If not, connect 'o'"):
+        tnspec.compile("x[b, c], U[c, r], V[r, o] -> y[b, oo]", c=4, o=4, r=2)
+    # single letters are never guessed at: 'r' and 's' stay two errors without a guess
+    with pytest.raises(tnspec.SpecError) as info:
+        tnspec.compile("x[b, c], U[c, r], V[s, o] -> y[b, o]", c=4, o=4, r=2, s=2)
+    assert len(info.value.errors) == 2 and "did you mean" not in str(info.value)
+
+
 def test_input_index_summed_away():
     located("x[b, c, t], W[c, o] -> y[b, o]", "input index 't' is used by no core", 1, 9,
             c=2, o=3)

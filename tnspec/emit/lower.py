@@ -59,7 +59,7 @@ class _Lowering(Products):
         out_name = self.name("tensor:" + net.output.name, net.output.name)
         # a conv-like or linear-like layer takes an unbatched input, as nn.Conv2d does
         flag = self.name("flag:unbatched", "unbatched") if geometry(net) else None
-        self.prologue(data)
+        self.prologue(data, flag)
         for core in net.cores:
             holder: Var | Param = Param(core.name)
             self.layout[holder] = core.indices
@@ -78,7 +78,7 @@ class _Lowering(Products):
             self.nodes.append(Relayout(result, False, "back to the caller's layout"))
         return replace(self.finish(data.name, result), unbatched=flag)
 
-    def prologue(self, data: Var) -> None:
+    def prologue(self, data: Var, unbatched: str | None = None) -> None:
         """Check the data's shape, read its run-time sizes, split its groups, and apply
         input dilation (backward networks) and kernel-less relations (subsampling)."""
         net, t = self.net, self.net.input
@@ -89,7 +89,7 @@ class _Lowering(Products):
             expected.append((axis_text(axis), self.product(axis) if sized else None))
             names.append(None if sized else str(self.size(axis[0])) if len(axis) == 1 else
                          self.name("axis:" + "_".join(axis), "_".join(axis)))
-        self.nodes.append(CheckShape(data.name, t.name, tuple(expected)))
+        self.nodes.append(CheckShape(data.name, t.name, tuple(expected), unbatched))
         if any(names):
             self.nodes.append(Unpack(data.name, tuple(names)))
         for axis, name in zip(t.axes, names):

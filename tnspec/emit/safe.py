@@ -189,6 +189,8 @@ def _node(node: Any) -> None:
     elif isinstance(node, CheckShape):
         _name(node.var, "variable")
         _name(node.tensor, "tensor")
+        if node.unbatched is not None:
+            _name(node.unbatched, "variable")
         for text, size in node.expected:
             literal(text)
             if size is not None:

@@ -54,10 +54,15 @@ def statement(node: Node, indent: str) -> list[str]:
         checks = [f"{node.var}.shape[{n}] != {d}" for n, (_, d) in enumerate(node.expected)
                   if d is not None]
         cond = " or ".join([f"{node.var}.dim() != {len(node.expected)}"] + checks)
-        want = ", ".join(f"{t}={{{d}}}" if d is not None else t.replace("{", "{{")
-                         for t, d in node.expected)
-        msg = f"{node.tensor}: expected shape [{want}], got {{list({node.var}.shape)}}"
-        return if_block(cond, indent) + raise_block(msg, indent + INDENT)
+        want = [f"{t}={{{d}}}" if d is not None else t.replace("{", "{{")
+                for t, d in node.expected]
+        given: list[str] = []
+        if node.unbatched:  # quote the shape as given, before the batch axis was added
+            want = [f"{', '.join(want)}] or, unbatched, [{', '.join(want[1:])}"]
+            given = [f"{indent}{INDENT}if {node.unbatched}:",
+                     f"{indent}{INDENT * 2}{node.var} = {node.var}.squeeze(0)  # as given"]
+        msg = f"{node.tensor}: expected shape [{', '.join(want)}], got {{list({node.var}.shape)}}"
+        return if_block(cond, indent) + given + raise_block(msg, indent + INDENT)
     if isinstance(node, Unpack):
         names = ", ".join(n if n is not None else "_" for n in node.names)
         return [f"{indent}{names}{',' if len(node.names) == 1 else ''} = {node.var}.shape"]

@@ -27,7 +27,6 @@ which is what training expects.
 from __future__ import annotations
 
 import math
-import time
 from typing import Any, Mapping, Sequence
 
 import opt_einsum
@@ -35,6 +34,7 @@ import torch
 from torch import Tensor
 
 from ..ir import Network
+from ..progress import now
 
 #: the Gram matrix of one core's problem is formed when it has at most GRAM_ELEMENTS elements
 #: or GRAM_FACTOR times the dense weight's, whichever is more; beyond, conjugate gradients
@@ -48,7 +48,7 @@ def run(stds: Mapping[str, float], problems: Mapping[str, "Problem"], order: Seq
         whole, w: Tensor, cores: dict[str, Tensor], sweeps: int, tol: float,
         deadline: float = math.inf) -> tuple[float, dict[str, Tensor]]:
     """ALS sweeps over ``order`` with Bro's extrapolation, until converged or ``deadline``
-    (``time.monotonic``); returns (error, cores)."""
+    (``tnspec.progress.now``); returns (error, cores)."""
     norm = float(torch.linalg.vector_norm(w))
 
     def error_of(c: Mapping[str, Tensor]) -> float:
@@ -58,7 +58,7 @@ def run(stds: Mapping[str, float], problems: Mapping[str, "Problem"], order: Seq
         before = dict(cores)
         for name in order:
             residual2 = problems[name].solve(w, cores, deadline)  # the cores' error now
-            if time.monotonic() > deadline:  # one core's solve can take minutes (Odd, 256)
+            if now() > deadline:  # one core's solve can take minutes (Odd, 256)
                 # cut short, the solve may not be a least-squares optimum: its residual
                 # formula does not hold, so the error is computed from the cores
                 _balance(stds, cores)
@@ -72,7 +72,7 @@ def run(stds: Mapping[str, float], problems: Mapping[str, "Problem"], order: Seq
                 cores, error = trial, trial_error
         last = before
         _balance(stds, cores)
-        if error < 1e-13 or previous - error <= tol * error or time.monotonic() > deadline:
+        if error < 1e-13 or previous - error <= tol * error or now() > deadline:
             break
         previous = error
     return error, cores
@@ -102,7 +102,7 @@ def hop(stds: Mapping[str, float], problems: Mapping[str, "Problem"], whole, w: 
     first = error
     for hop in range(hops):
         if error < 1e-13 or idle >= patience or (hop == PROBE and error > PAYS * first) \
-                or time.monotonic() > deadline:
+                or now() > deadline:
             break
         k = 1 + int(torch.randint(min(3, len(names) - 1), (), generator=gen))
         chosen = [names[int(i)] for i in torch.randperm(len(names), generator=gen)[:k]]
@@ -118,7 +118,7 @@ def hop(stds: Mapping[str, float], problems: Mapping[str, "Problem"], whole, w: 
         if trial_error < error:
             error, cores = trial_error, trial
     return run(stds, problems, names, whole, w, cores, sweeps, tol, deadline) \
-        if screen > tol and time.monotonic() <= deadline else (error, cores)
+        if screen > tol and now() <= deadline else (error, cores)
 
 
 class Problem:
@@ -184,7 +184,7 @@ class Problem:
         r = b - gram_times(x)
         p, rr = r, (r * r).sum()
         for _ in range(steps):  # a step of a large network's CG can take seconds
-            if time.monotonic() > deadline:
+            if now() > deadline:
                 break
             if rr <= 1e-28 * (b * b).sum():
                 break

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -19,6 +18,7 @@ import torch
 from torch import Tensor
 
 from ..errors import SpecError
+from ..progress import now
 from ..ir import Network, Role
 from ..progress import Progress
 from ..shapes import geometry
@@ -150,7 +150,7 @@ def fit(net: Network, weight: Tensor, *, max_iter: int = 200, tol: float = 1e-7,
         return cores
     precision = torch.promote_types(weight.dtype, torch.float32)
     refit_iter, max_iter = max_iter, max_iter if metric is None or sweeps is None else sweeps
-    began = time.monotonic()
+    began = now()
     deadline = math.inf if max_seconds is None else began + max_seconds
     w = weight.detach().to(torch.float64).reshape(lay.modes)
     labels = {c.name: c.indices for c in net.cores}
@@ -169,7 +169,7 @@ def fit(net: Network, weight: Tensor, *, max_iter: int = 200, tol: float = 1e-7,
     ends = []
     progress = Progress(f"fit {net.name or 'layer'} ({len(labels)} cores)")
     for seed in range(starts):
-        if seed and time.monotonic() > deadline:
+        if seed and now() > deadline:
             break
         progress.update(f"start {seed + 1}/{starts}, best error {best[0]:.4g}")
         cores, seeded = als.start(net, w, problems, stds, seed)
@@ -186,8 +186,8 @@ def fit(net: Network, weight: Tensor, *, max_iter: int = 200, tol: float = 1e-7,
             progress.update(f"basin hops from error {best[0]:.4g}")
             best = als.hop(stds, problems, whole, w, best, hops, max_iter, tol, deadline)
     progress.close()
-    spent = time.monotonic() - began
-    if time.monotonic() > deadline:
+    spent = now() - began
+    if now() > deadline:
         logger.info("fit of %s stopped by max_seconds=%g after %.1f s at relative error %.4g",
                     net.spec, max_seconds, spent, best[0])
     else:
@@ -231,7 +231,7 @@ def refit(net: Network, weight: Tensor, cores: Mapping[str, Tensor], metric: Ten
 
     def closure() -> Tensor:
         opt.zero_grad()
-        if time.monotonic() > deadline:  # L-BFGS stops on a zero gradient
+        if now() > deadline:  # L-BFGS stops on a zero gradient
             return torch.zeros((), dtype=w.dtype, requires_grad=True)
         d = dense_weight(net, params).reshape(w.shape) - w
         loss = ((d @ m).square().sum() + ridge * d.square().sum()) / total

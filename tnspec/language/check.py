@@ -38,6 +38,19 @@ def check(doc: Document, *, layer: str | None = None, sizes: Mapping[str, Any] |
     return net
 
 
+def _alike(a: str, b: str) -> bool:
+    """Whether two index names look like one typed twice: one letter changed (of two or
+    more), added or dropped (``r1``/``rl``, ``o``/``oo``), or close as ``difflib`` measures longer names."""
+    if a == b:
+        return False
+    if len(a) == len(b):  # one letter of two or more changed (never 'r' for 's')
+        return len(a) > 1 and sum(x != y for x, y in zip(a, b)) == 1
+    short, long = sorted((a, b), key=len)
+    if len(long) - len(short) == 1:
+        return any(long[:k] + long[k + 1:] == short for k in range(len(long)))
+    return difflib.SequenceMatcher(None, a, b).ratio() >= 0.8
+
+
 def select_layer(doc: Document, name: str | None) -> LayerNode:
     """The layer of ``doc`` called ``name`` (None: the only one)."""
     if name is None:
@@ -272,6 +285,7 @@ class _Checker:
                     self.error(f"output index {n!r} is provided by no operand", ix.span,
                                f"add {n!r} to a core or to the input, or remove it from the "
                                "output")
+        dangling: dict[str, tuple[str, IndexNode]] = {}  # index -> (its core, where)
         for c in cores:
             for ix in c.indices:
                 for n in ix.names:
@@ -280,14 +294,39 @@ class _Checker:
                                    f"{c.name!r}", ix.span, "weights shared across positions "
                                    "carry the kernel index, not the position")
                     elif n not in roles and n not in kernels and n not in affine:
-                        self.error(f"core index {n!r} appears in no other operand and not in the "
-                                   "output; it would be summed away silently", ix.span,
-                                   f"connect {n!r} to another core, or add it to the output")
+                        dangling.setdefault(n, (c.name, ix))
+        self.dangling(dangling, set(first) - set(dangling))
         for n in data_names:
             if n not in roles:
                 self.error(f"input index {n!r} is used by no core and not in the output; it "
                            "would be summed away silently", first[n],
                            f"add {n!r} to the output (batch-like) or to a core")
+
+    def dangling(self, found: dict[str, tuple[str, IndexNode]], others: set[str]) -> None:
+        """Core indices carried by one core only: summed away where they stand. Two such
+        indices that look alike (``r1`` and ``rl``) are one typo, reported once, at the
+        later one."""
+        typos: dict[str, str] = {}  # the later index -> the earlier one it looks like
+        names = list(found)
+        for k, n in enumerate(names):
+            close = [m for m in names[:k] if m not in typos and _alike(n, m)
+                     and found[m][0] != found[n][0]]
+            if close:
+                typos[n] = close[0]
+        for n, (core, ix) in found.items():
+            if n in typos.values():
+                continue
+            if n in typos:
+                m, (other, _) = typos[n], found[typos[n]]
+                self.error(f"core index {n!r} of {core!r} and {m!r} of {other!r} each appear "
+                           "once; both would be summed away silently: a typo?", ix.span,
+                           f"did you mean {m!r}? One name joins {other!r} and {core!r}")
+                continue
+            close = [m for m in sorted(others) if _alike(n, m)]
+            self.error(f"core index {n!r} appears in no other operand and not in the output; "
+                       "it would be summed away silently", ix.span,
+                       (f"did you mean {close[0]!r}? If not, c" if close else "c") +
+                       f"onnect {n!r} to another core, or add it to the output")
 
     def index(self, name: str, role: Role, env: dict[str, int], net: NetworkNode) -> Index:
         size = env.get(name)

@@ -5,6 +5,8 @@ initialized :class:`~tnspec.nn.module.Layer`), ``tnspec.contract`` (its function
 
 from __future__ import annotations
 
+import difflib
+
 import math
 from dataclasses import replace
 from types import SimpleNamespace
@@ -66,17 +68,23 @@ def compile_all(text: str, *, names: Sequence[str] | None = None,
     chosen = list(names) if names else [lay.name for lay in doc.layers]
     unused = set(sizes) if doc.is_file else set()
     nets = []
+    params: dict[str, None] = {}  # every parameter of the chosen layers, in order
     for name in chosen:
         if doc.is_file:  # --set reaches the layers that declare the parameter
             declared = {p.name for p in select_layer(doc, name).params}
+            params.update(dict.fromkeys(p.name for p in select_layer(doc, name).params))
             own = {k: v for k, v in sizes.items() if k in declared}
             unused -= set(own)
         else:
             own = sizes
         nets.append(check(doc, layer=name, sizes=own, max_elements=limit))
     if unused:
-        raise SpecError(f"no layer has a parameter named {sorted(unused)[0]!r}",
-                        hint="--set names a size parameter of a layer")
+        bad = sorted(unused)[0]
+        close = difflib.get_close_matches(bad, list(params), n=1)
+        there = ", ".join(params) or "none"
+        raise SpecError(f"no layer has a parameter named {bad!r}; the parameters are: {there}",
+                        hint=(f"did you mean {close[0]!r}? " if close else "") +
+                        "--set names a size parameter of a layer")
     return nets
 
 

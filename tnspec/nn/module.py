@@ -21,8 +21,8 @@ from torch import nn
 
 from ..errors import SpecError
 from ..ir import DEFAULT_MAX_BYTES, Network, Role
-from ..shapes import (bind_shape, embedding_attributes, example_shape, geometry, guard_bytes,
-                      nn_attributes)
+from ..shapes import (bind_shape, check_shape, embedding_attributes, example_shape,
+                      expected_axes, geometry, guard_bytes, nn_attributes)
 from ..language.settings import positive_limit
 from ..fit import moments
 from ..planning import calibration
@@ -345,8 +345,12 @@ class Layer(nn.Module):
                 cls = owner._last_class  # the hot path: the same shape, layout and precision
             else:
                 shape = owner._lookups(x.shape) if self.network.lookup else tuple(x.shape)
-                if len(shape) == owner._unbatched_dims:  # planned as a batch of one
-                    shape = (1, *shape)
+                if owner._unbatched_dims >= 0:  # checked here, to quote the shape as given
+                    net, unbatched = self.network, len(shape) == owner._unbatched_dims
+                    check_shape(net.input.name, expected_axes(net.input, net.sizes), shape,
+                                unbatched)
+                    if unbatched:  # planned as a batch of one
+                        shape = (1, *shape)
                 last = x.dim() == 4 and not x.is_contiguous() and \
                     x.is_contiguous(memory_format=torch.channels_last)
                 cls = owner._class(shape, last)  # also keeps the cache's order LRU

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from ...errors import SpecError
-from ...progress import Progress
+from ...progress import Progress, now
 from ...nn import formats as format_names
 from ...nn.module import Layer
 from ..adapted import adapted_parts
@@ -188,7 +188,7 @@ def compress(model: nn.Module, budget: float = 0.25, formats: Sequence[str] = FO
     Returns ``(model, report)``; ``print(report)`` shows a row per layer, ``report.plot()``
     the candidates. Nothing in the model changes until every fit is done: an error or Ctrl-C
     before leaves it as it was."""
-    started = time.monotonic()
+    started = now()
     if not 0 < budget <= 1:
         raise SpecError(f"budget={budget!r} is a share of the dense parameters",
                         hint="a number in (0, 1], e.g. budget=0.25")
@@ -241,7 +241,7 @@ def compress(model: nn.Module, budget: float = 0.25, formats: Sequence[str] = FO
     seen = observe.inputs(model, layers, data, max_batches, run) if data is not None else {}
     sensitivity = observe.sensitivities(model, layers, data, run) if data is not None else {}
     progress.line(f"{len(layers)} layer(s) to fit"
-                  + (f", inputs recorded ({time.monotonic() - started:.0f} s)" if data else ""))
+                  + (f", inputs recorded ({now() - started:.0f} s)" if data else ""))
     deadline = math.inf if max_seconds is None else started + max_seconds
     choices, unfitted = [], 0
     for name, module in layers:
@@ -265,7 +265,7 @@ def compress(model: nn.Module, budget: float = 0.25, formats: Sequence[str] = FO
             time_of = (timer or _timed) if latency and shape is not None else None
             count, beaten = 0, 0
             for k, share in enumerate(sorted(shares)):
-                left = deadline - time.monotonic()
+                left = deadline - now()
                 if left <= 0:
                     unfitted += 1
                     continue
@@ -292,7 +292,7 @@ def compress(model: nn.Module, budget: float = 0.25, formats: Sequence[str] = FO
                 options_here.append((cand, new))
                 count += 1
             progress.line(f"{name}: {count} {fmt} candidate(s) fitted "
-                          f"({time.monotonic() - started:.0f} s so far)")
+                          f"({now() - started:.0f} s so far)")
     picks = _allocate([[(c.params, (s * c.error) ** 2) for c, _ in opts]
                        for _, _, opts, s, _ in choices], budget)
     report_rows, chosen_layers = [], {}
@@ -305,7 +305,7 @@ def compress(model: nn.Module, budget: float = 0.25, formats: Sequence[str] = FO
     _apply(model, chosen_layers)
     progress.close()
     return model, CompressReport(budget, tuple(report_rows), tuple(skipped), data is not None,
-                                 time.monotonic() - started, unfitted=unfitted, other=other,
+                                 now() - started, unfitted=unfitted, other=other,
                                  pruned=pruned)
 
 

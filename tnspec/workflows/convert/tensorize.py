@@ -7,7 +7,6 @@ is the way back.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
@@ -15,7 +14,7 @@ import torch
 from torch import nn
 
 from ...errors import SpecError
-from ...progress import Progress
+from ...progress import Progress, now
 from ...fit import decompose
 from ...nn import formats, layout
 from ...nn.api import _with_options, compile
@@ -219,7 +218,7 @@ def tensorize(model: nn.Module, format: str = "tucker2", *, rank: int | float = 
                                     fit_error, error, note))
         progress.line(f"{name}: {type(module).__name__} -> {format}"
                       + ("" if fit_error is None else f", fit error {fit_error:.4f}")
-                      + f" ({time.monotonic() - progress.start:.0f} s so far)")
+                      + f" ({now() - progress.start:.0f} s so far)")
     for head, table in heads.items():
         _tie(model, head, table, replaced, skipped, kinds)
     after = sum(p.numel() for p in model.parameters())
