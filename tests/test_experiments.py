@@ -1,5 +1,7 @@
-"""Smoke versions of the paper's experiments (experiments/): tiny sizes, and the qualitative
-claim that holds robustly at that size. The full runs are `python -m experiments.NAME`."""
+"""Smoke versions of the experiments (experiments/paper/: the paper's; experiments/models/:
+tnspec's workflows on trained models): tiny sizes, and the qualitative claim that holds robustly
+at that size. The full runs are `python -m experiments.paper.NAME` and
+`python -m experiments.models.NAME`."""
 
 from __future__ import annotations
 
@@ -11,8 +13,8 @@ from torch import nn
 pytest.importorskip("sklearn", reason="the experiments use scikit-learn's digits")
 pytest.importorskip("tqdm", reason="the experiments show tqdm progress bars")
 
-from experiments import (adapter_dynamics, adapters, allconv, audit, decompose,  # noqa: E402
-                         prop2, propagation, random_formats)
+from experiments.paper import allconv, audit, prop2, propagation, random_formats  # noqa: E402
+from experiments.models import adapter_dynamics, adapters, decompose  # noqa: E402
 from experiments.common import digits, fashion, train_steps  # noqa: E402
 
 
@@ -75,7 +77,7 @@ def test_every_experiment_command_runs_its_smoke_version(capsys):
 
 
 def test_the_rates_experiment_runs_its_smoke_version_with_and_without_the_rule(capsys):
-    from experiments import adapter_rates
+    from experiments.models import adapter_rates
     assert adapter_rates.main(["--smoke", "--workers", "1", "--methods", "tt",
                                "tt +rule", "tt +rule, raw at init"]) == 0
     out = capsys.readouterr().out
@@ -105,7 +107,7 @@ def test_the_real_model_experiments_run_their_smoke_versions(name, capsys):
     import importlib
 
     from experiments import assets
-    module = importlib.import_module(f"experiments.{name}")
+    module = importlib.import_module(f"experiments.models.{name}")
     try:
         assert module.main(["--smoke"]) == 0
     except assets.Missing as exc:

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import tnspec
-from experiments.adapters import GEOMETRIES
+from experiments.models.adapters import GEOMETRIES
 
 from ..model_state import snapshot, unchanged
 

@@ -95,7 +95,7 @@ def test_adapt_minilm_trains_and_merges(minilm, snippets, fmt, rule):
 
 
 def test_mobilenet_v2_loads_imagenet_weights_and_compresses_its_1x1_convs():
-    from experiments import mobilenet
+    from experiments.models import mobilenet
     weights = need(assets.mobilenet_weights)
     model = mobilenet.MobileNetV2()
     assert set(model.state_dict()) == set(weights)  # torchvision's names, every one

@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 import tnspec
-from experiments.adapter_dynamics import drift
-from experiments.adapters import GEOMETRIES
+from experiments.models.adapter_dynamics import drift
+from experiments.models.adapters import GEOMETRIES
 from tnspec.workflows.adapters import step_rule
 
 from ..model_state import snapshot, unchanged

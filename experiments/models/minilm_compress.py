@@ -7,8 +7,8 @@ Measured on Rotten Tomatoes snippets (fresh vs rotten): the accuracy of a logist
 probe on mean-pooled sentence embeddings (fixed split, the probe refitted per model) and the
 cosine of each test embedding to the original model's.
 
-    python -m experiments.minilm_compress            # ~35 min on 2 cores
-    python -m experiments.minilm_compress --smoke    # a tiny version (the tests run it)
+    python -m experiments.models.minilm_compress            # ~35 min on 2 cores
+    python -m experiments.models.minilm_compress --smoke    # a tiny version (the tests run it)
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from torch import nn
 
 import tnspec
 
-from . import assets
-from .common import markdown_table, save
+from .. import assets
+from ..common import markdown_table, save
 
 ENCODER = "encoder."  # the layers compressed: the encoder's (smoke: its last block's)
 BUDGETS = (0.75, 0.5, 0.25)

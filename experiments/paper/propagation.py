@@ -6,7 +6,7 @@ examples/odd.tn ((8 x 8) -> (10 x 10) -> ... -> (2 x 5), every rank 5), with a h
 (none) or 4, initialized with Xavier per core, orthogonal per core, Graph-in or Graph-out. The
 paper's scale: MNIST, 784 -> 500 hidden units, 80 epochs; here 100 hidden units, 60 epochs.
 
-    python -m experiments.propagation      # histograms at init, training curves (minutes)
+    python -m experiments.paper.propagation      # histograms at init, training curves (minutes)
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from torch import nn
 
 from tnspec import formats
 
-from .common import RESULTS, History, digits, markdown_table, plt, progress, save, train
+from ..common import RESULTS, History, digits, markdown_table, plt, progress, save, train
 
 MODES = ((8, 8), (10, 10), (10, 10), (10, 10), (10, 10), (2, 5))
 INITS = ("xavier", "orthogonal", "graph-in", "graph-out")

@@ -12,9 +12,9 @@ paper. The paper: MNIST 28 x 28, 20 epochs (9,380 steps), 150 rounds.
 - Fashion-MNIST: the first two layers with stride 2 (28 -> 14 -> 7: 2.5x cheaper, and the pool
   sees 7 x 7 features), the paper's 9,380 steps (20 epochs of 60,000), 10 rounds.
 
-    python -m experiments.random_formats                  # digits: 30 rounds x 4 inits (~13 min)
-    python -m experiments.random_formats --data fashion   # 10 rounds x 4 inits (see README)
-    python -m experiments.random_formats --data fashion --smoke
+    python -m experiments.paper.random_formats                  # digits: 30 rounds x 4 inits (~13 min)
+    python -m experiments.paper.random_formats --data fashion   # 10 rounds x 4 inits (see README)
+    python -m experiments.paper.random_formats --data fashion --smoke
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from torch import nn
 
 from tnspec import formats
 
-from .common import RESULTS, digits, fashion, markdown_table, plt, progress, save, train, \
+from ..common import RESULTS, digits, fashion, markdown_table, plt, progress, save, train, \
     train_steps
 
 INITS = ("graph-in", "graph-out", "xavier", "orthogonal")

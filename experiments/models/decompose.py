@@ -9,7 +9,7 @@ initialized.
 Test accuracy right after the swap and after one epoch of fine-tuning (Adam, lr 1e-3), the dense
 model fine-tuned one more epoch as the reference; three seeds, mean (min-max).
 
-    python -m experiments.decompose            # about 8 minutes (plot: results/decompose.png)
+    python -m experiments.models.decompose            # about 8 minutes (plot: results/decompose.png)
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from torch import nn
 
 import tnspec
 
-from .common import digits, markdown_table, plt, save, train
+from ..common import digits, markdown_table, plt, save, train
 
 FORMATS = ("tucker2", "cp", "tt", "tr")
 SHARES = (0.5, 0.25)

@@ -2,12 +2,12 @@
 embedding fitted to it (``Layer.fit_`` through ``tnspec.tensorize(weights="fit")``) at 10x, 30x
 and 100x fewer parameters, against the truncated SVD of the table at the same parameters.
 
-Measured as ``experiments.minilm_compress`` measures (Rotten Tomatoes probe on mean-pooled
+Measured as ``experiments.models.minilm_compress`` measures (Rotten Tomatoes probe on mean-pooled
 embeddings, cosine to the original model's). TensorGPT reports GPT-2's table 38x smaller with
 TT: compare at equal ratios.
 
-    python -m experiments.minilm_embedding           # ~20 min on 2 cores
-    python -m experiments.minilm_embedding --smoke
+    python -m experiments.models.minilm_embedding           # ~20 min on 2 cores
+    python -m experiments.models.minilm_embedding --smoke
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from torch import nn
 
 import tnspec
 
-from . import assets
-from .common import markdown_table, save
+from .. import assets
+from ..common import markdown_table, save
 from .minilm_compress import embeddings, probe
 
 TABLE = "embeddings.word_embeddings"

@@ -9,8 +9,8 @@ repeated to 3 channels).
    head trained in full (``modules_to_save``): tnspec's formats against PEFT's LoRA at the same
    trainable parameters, one seed, the same batches.
 
-    python -m experiments.mobilenet_fashion          # ~9 min alone on 2 cores
-    python -m experiments.mobilenet_fashion --smoke
+    python -m experiments.models.mobilenet_fashion          # ~9 min alone on 2 cores
+    python -m experiments.models.mobilenet_fashion --smoke
 """
 
 from __future__ import annotations
@@ -24,8 +24,9 @@ from torch import nn
 
 import tnspec
 
-from . import assets, mobilenet
-from .common import markdown_table, save
+from .. import assets
+from . import mobilenet
+from ..common import markdown_table, save
 
 SIZE = 96
 

@@ -3,14 +3,14 @@ linear layer of the encoder and a new linear head on the mean-pooled embedding (
 full): tnspec's low_rank, cp, tucker2, tt and tr against PEFT's LoRA, LoHa and LoKr, at about the
 same trainable parameters, on the same batches, one learning rate (AdamW 1e-3), 3 seeds.
 
-    python -m experiments.minilm_adapters            # ~40 min alone on 2 cores
-    python -m experiments.minilm_adapters --smoke
-    python -m experiments.minilm_adapters --seeds 2 --rates 1e-3 3e-3 1e-2 \\
+    python -m experiments.models.minilm_adapters            # ~40 min alone on 2 cores
+    python -m experiments.models.minilm_adapters --smoke
+    python -m experiments.models.minilm_adapters --seeds 2 --rates 1e-3 3e-3 1e-2 \\
         --methods tt "tt +rule" tr "tr +rule" LoRA   # the step rule at three rates
-    python -m experiments.minilm_adapters --seeds 3 --rates 1e-3 3e-3 1e-2 \\
+    python -m experiments.models.minilm_adapters --seeds 3 --rates 1e-3 3e-3 1e-2 \\
         --methods "tt offset" "tr offset" "tt_lora offset" LoRA \\
         --out minilm_adapters_offset                 # adapt(init="offset") at three rates
-    python -m experiments.minilm_adapters --seeds 1 --rates 3e-3 1e-2 \\
+    python -m experiments.models.minilm_adapters --seeds 1 --rates 3e-3 1e-2 \\
         --methods "tt offset" "tr offset" --scale 0.1 \\
         --out minilm_adapters_offset_scale           # the offset init at a tenth of the scale
 """
@@ -27,8 +27,8 @@ from torch import nn
 
 import tnspec
 
-from . import assets
-from .common import markdown_table, save
+from .. import assets
+from ..common import markdown_table, save
 
 TNSPEC = ("low_rank", "cp", "tucker2", "tt", "tr")
 PEFT = ("LoRA", "LoHa", "LoKr")

@@ -17,8 +17,8 @@ Reported: test accuracy (mean, min-max), the steps to reach 95% of the run's fin
 (evaluated every 10 steps), and one training step's time at batch 256 relative to the frozen
 base's forward and backward (interleaved rounds, medians).
 
-    python -m experiments.adapters               # about 30 minutes (plot: results/adapters.png)
-    python -m experiments.adapters --geometries  # seconds: merge errors over conv geometries
+    python -m experiments.models.adapters               # about 30 minutes (plot: results/adapters.png)
+    python -m experiments.models.adapters --geometries  # seconds: merge errors over conv geometries
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from torch import nn
 
 import tnspec
 
-from .common import digits, markdown_table, plt, save
+from ..common import digits, markdown_table, plt, save
 
 TNSPEC = ("low_rank", "tt", "tr", "tucker2", "cp")
 PEFT = ("peft-lora", "peft-loha", "peft-lokr")

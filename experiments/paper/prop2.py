@@ -7,7 +7,7 @@ laid out row-major as 32 rows of 96 values (the paper used CIFAR-10 images), so 
 image boundaries and neighbouring features are correlated pixels. A third row uses the raw
 pixel values (0-16, mean 4.9): Var(X W) then sees E[x^2] = Var(x) + mean^2, not Var(x).
 
-    python -m experiments.prop2            # 500 rounds each (seconds)
+    python -m experiments.paper.prop2            # 500 rounds each (seconds)
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import time
 import numpy as np
 import torch
 
-from .common import RESULTS, digits, markdown_table, plt, progress, save
+from ..common import RESULTS, digits, markdown_table, plt, progress, save
 
 WIDTHS = (96, 200, 400, 600, 800, 1000, 800, 600, 400, 200, 100)
 

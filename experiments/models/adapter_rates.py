@@ -1,6 +1,6 @@
 """Every adapter format at every rate PEFT's LoRA uses, with and without the step rule.
 
-The digits CNN of ``experiments.adapters`` (pretrained on upright digits, adapted to digits
+The digits CNN of ``experiments.models.adapters`` (pretrained on upright digits, adapted to digits
 rotated by 90 degrees; 0.100 before adapting), adapters on every linear and conv layer but the
 stem at a share of each layer's parameters. tnspec's formats as ``adapt`` builds them and with
 ``step_rule="spectral"`` (where it bounds a core: tucker2, tt, tr, tt_lora) and with
@@ -15,13 +15,13 @@ against the frozen base's forward and backward (interleaved rounds, medians). Th
 ``--workers`` processes of one thread each; the step times are measured in the main process
 after them.
 
-    python -m experiments.adapter_rates                  # every method: about an hour
-    python -m experiments.adapter_rates --shares 0.02 --methods tt "tt +rule"
-    python -m experiments.adapter_rates --out adapter_rates_offset --methods \
+    python -m experiments.models.adapter_rates                  # every method: about an hour
+    python -m experiments.models.adapter_rates --shares 0.02 --methods tt "tt +rule"
+    python -m experiments.models.adapter_rates --out adapter_rates_offset --methods \
         "low_rank offset" "cp offset" "tucker2 offset" "tt offset" "tr offset" \
         "tt_lora offset" "tt offset +rule" "tr offset +rule" cp "tt_lora +rule" \
         peft-lora peft-loha peft-lokr                     # the init="offset" table
-    python -m experiments.adapter_rates --smoke
+    python -m experiments.models.adapter_rates --smoke
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ import tnspec
 from tnspec.workflows.adapters import step_rule
 
 from . import adapters as base_experiment
-from .common import digits, markdown_table, save
+from ..common import digits, markdown_table, save
 
 RATES = (1e-3, 3e-3, 1e-2)
 SHARES = (0.005, 0.02)

@@ -12,7 +12,7 @@ ranks 1-8-8-8-1), linear activation, 32x32 inputs:
 The audit measures each layer's forward and backward variance ratios; the product over the
 stack is what the last layer sees.
 
-    python -m experiments.audit            # seconds (plot: results/audit.png)
+    python -m experiments.paper.audit            # seconds (plot: results/audit.png)
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from torch import nn
 
 import tnspec
 
-from .common import markdown_table, plt, save
+from ..common import markdown_table, plt, save
 
 SPEC = ("x[b, c, h+kh-1, w+kw-1], A[o, r1], B[r1, c, r2], C[r2, kh, r3], D[r3, kw]"
         " -> y[b, o, h, w]")

@@ -3,7 +3,7 @@ against one format for every layer (``tensorize(..., weights="fit")``) and Tenso
 ``FactorizedConv.from_conv``, on scikit-learn's digits.
 
 Two models are trained on the digits (Adam, lr 1e-3, 15 epochs): the CNN of
-``experiments.decompose`` (conv 1->32, 32->64, pool, 64->64, linear 1024->10; 0.07 M
+``experiments.models.decompose`` (conv 1->32, 32->64, pool, 64->64, linear 1024->10; 0.07 M
 parameters) and a ResNet-18-like net at half width (the ResNet-18 layout, 32-64-128-256
 channels, batch norm, for 1-channel 8x8 images; 2.8 M parameters). Every conv and linear layer
 but the stem is then compressed to 10%, 25% and 50% of its parameters:
@@ -18,7 +18,7 @@ Test accuracy right after, and after one epoch of fine-tuning (Adam, lr 1e-3; th
 all). Also, per layer of the CNN: the held-out output error of a data-aware fit against a
 weight-only one (tucker2 at 25%, fitted on training activations, measured on test ones).
 
-    python -m experiments.compress            # about 75 minutes on 2 cores
+    python -m experiments.models.compress            # about 75 minutes on 2 cores
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from torch import nn
 import tnspec
 from tnspec.workflows.convert.compress import SHARES
 
-from .common import digits, markdown_table, save, train
+from ..common import digits, markdown_table, save, train
 from .decompose import accuracy, cnn
 
 BUDGETS = (0.1, 0.25, 0.5)

@@ -61,7 +61,7 @@ class MobileNetV2(nn.Module):
 
 def pretrained() -> MobileNetV2:
     """MobileNetV2 with torchvision's ImageNet weights (every key matched), in eval mode."""
-    from .assets import mobilenet_weights
+    from ..assets import mobilenet_weights
     model = MobileNetV2()
     model.load_state_dict(mobilenet_weights(), strict=True)
     return model.eval()

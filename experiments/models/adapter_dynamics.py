@@ -1,6 +1,6 @@
 """Why adapters of some formats train badly: the first few hundred steps, watched.
 
-The digits CNN of ``experiments.adapters`` (pretrained on upright digits, adapted to digits
+The digits CNN of ``experiments.models.adapters`` (pretrained on upright digits, adapted to digits
 rotated by 90 degrees) gets adapters at 2% of each layer's parameters: tnspec's low_rank, cp,
 tucker2, tt, tr and tt_lora, and PEFT's LoRA. Adam at the rates PEFT's LoRA uses (1e-3, 3e-3,
 1e-2), one seed, 300 steps of 64. At the 256 -> 256 conv (the largest adapted layer), every
@@ -13,8 +13,8 @@ few steps:
   and the share of the last hidden layer's ReLU units that are dead (zero on every image),
   both on a fixed batch of 256 training images; the training loss.
 
-    python -m experiments.adapter_dynamics          # about 11 minutes on 2 cores
-    python -m experiments.adapter_dynamics --smoke
+    python -m experiments.models.adapter_dynamics          # about 11 minutes on 2 cores
+    python -m experiments.models.adapter_dynamics --smoke
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import tnspec
 from tnspec.workflows.adapters import step_rule
 
 from . import adapters as base_experiment
-from .common import digits, markdown_table, plt, save
+from ..common import digits, markdown_table, plt, save
 
 METHODS = ("low_rank", "cp", "tucker2", "tt", "tr", "tt_lora", "peft-lora")
 RATES = (1e-3, 3e-3, 1e-2)

@@ -15,9 +15,9 @@ ranks 6 (3 for Odd), and on
 - the digits: 40 epochs of 1,437 images (480 steps);
 - Fashion-MNIST: 600 steps (1.3 epochs of 60,000 images; 28 -> 14 -> 7 pixels).
 
-    python -m experiments.allconv                   # digits: 11 nets x 4 inits (~6 min)
-    python -m experiments.allconv --data fashion    # (see README for the time)
-    python -m experiments.allconv --data fashion --smoke
+    python -m experiments.paper.allconv                   # digits: 11 nets x 4 inits (~6 min)
+    python -m experiments.paper.allconv --data fashion    # (see README for the time)
+    python -m experiments.paper.allconv --data fashion --smoke
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from torch import nn
 
 from tnspec import formats
 
-from .common import RESULTS, digits, fashion, markdown_table, plt, progress, save, train, \
+from ..common import RESULTS, digits, fashion, markdown_table, plt, progress, save, train, \
     train_steps
 
 C = 24
