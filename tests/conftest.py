@@ -29,7 +29,23 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--runslow", action="store_true", help="also run tests marked slow")
 
 
+#: the files of the full suite that ``python -m pytest -m "not heavy"`` leaves out, for a quick
+#: pass over the compiler and the workflows: whole-model compiles, fuzzers, real checkpoints,
+#: and the benchmarks' and experiments' smoke runs (about 45% of the suite's time)
+HEAVY = frozenset({
+    "nn/test_integration.py",  # torch.compile, export, ONNX, DDP and FSDP2 over many layers
+    "test_benchmarks.py", "test_experiments.py",  # smoke runs of every command
+    "language/test_fuzz_frontend.py", "emit/test_fuzz_backend.py",
+    "workflows/test_fuzz_workflows.py", "workflows/test_fuzz_sequences.py",
+    "workflows/test_real_models.py",  # MiniLM and MobileNetV2, where installed
+})
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    tests = Path(__file__).resolve().parent
+    for item in items:
+        if item.path.relative_to(tests).as_posix() in HEAVY:
+            item.add_marker(pytest.mark.heavy)
     if config.getoption("--runslow"):
         return
     skip = pytest.mark.skip(reason="slow: run with --runslow")

@@ -1,7 +1,7 @@
 """An independent dense reference: materialize every dummy tensor and run one einsum.
 
 P[j, j', k] = 1 iff j = stride*j' + dilation*k - padding (j over the data axis, spread by
-input_dilation first), exactly as the README defines it. Nothing here uses tnspec's planner or
+input_dilation first), exactly as docs/language.md defines it. Nothing here uses tnspec's planner or
 lowering; only the network's structure is read from the IR.
 """
 

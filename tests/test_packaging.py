@@ -92,3 +92,10 @@ def test_wheel_and_sdist_hold_every_module_and_the_wheel_runs_the_cli(tmp_path):
     assert ran.returncode == 0, ran.stderr
     assert ran.stdout.startswith(str(tmp_path / "site" / "tnspec"))  # the wheel's, not the tree's
     assert "class" in (tmp_path / "layer.py").read_text()
+
+
+def test_the_quick_pass_leaves_out_files_that_exist():
+    """``-m "not heavy"`` (the README's quick pass) names test files: a renamed one must not
+    slip back into the quick pass, nor a deleted one linger in the list."""
+    from .conftest import HEAVY
+    assert all((ROOT / "tests" / name).is_file() for name in HEAVY)

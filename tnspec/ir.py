@@ -70,7 +70,7 @@ def clashes(core: str) -> bool:
 
 
 class Role(str, Enum):
-    """What an index does in the network (the README, "The language")."""
+    """What an index does in the network (docs/language.md)."""
 
     BATCH = "batch"              # data and result, no core: carried through untouched
     PARALLEL = "parallel"        # data, core and result: depthwise / grouped

@@ -265,7 +265,7 @@ class Layer(nn.Module):
             cls = runtime.layer_class(self.network, the_plan, channels_last)
         self._plans[key] = (shape, the_plan)
         spent = time.perf_counter() - start
-        # a first call that blocks for seconds should not be silent (see the README, Speed)
+        # a first call that blocks for seconds should not be silent (docs/performance.md, "What a first call does")
         logger.log(logging.INFO if spent > 1.0 else logging.DEBUG,
                    "%s for %s: first call took %.2f s (%s)%s", self.spec,
                    # a lookup's planned shape ends in the one-hot axis the caller never sees
