@@ -99,13 +99,17 @@ def test_source_of_the_inline_layer_is_what_generate_writes():
 
 def test_a_pointwise_layer_mixes_channels_with_a_1x1_conv_across_its_plain_axes():
     """x[b, C, h, w] -> y[b, O, h, w] without a kernel: h and w are plain axes, and the data
-    step is a 1x1 conv over them (no permuted copy for an F.linear), bias included: 1-D over
-    the flattened axes for a contiguous input, 2-D for a channels-last one (where flattening
-    would copy)."""
+    step is a 1x1 conv over them (no permuted copy for an F.linear), bias included: 2-D
+    eagerly (the same kernel as 1-D, without the reshapes), and in the form torch.compile
+    traces 1-D over the flattened axes for a contiguous input (Inductor wraps the 2-D form in
+    copies), 2-D for a channels-last one (where flattening would copy)."""
+    from tnspec.emit.lower import lower
     layer = tnspec.layer("x[b, (c0 c1), h, w], A[c0, o0, r], B[r, c1, o1] -> y[b, (o0 o1), h, w]",
                          c0=12, c1=8, o0=12, o1=8, r=4, planner="dense-first", autotune=False)
-    for channels_last, conv in ((False, "F.conv1d"), (True, "F.conv2d")):
-        program = layer.program((32, 96, 32, 32), channels_last=channels_last)
+    plan = layer.plan((32, 96, 32, 32))
+    for channels_last, compiled, conv in ((False, False, "F.conv2d"), (True, False, "F.conv2d"),
+                                          (False, True, "F.conv1d"), (True, True, "F.conv2d")):
+        program = lower(plan, channels_last, compiled=compiled)
         calls = [n for n in program.nodes if isinstance(n, Call)]
         assert [c.fn for c in calls if c.fn.startswith("F.")] == [conv]
         assert not [c for c in calls if c.fn == ".permute" and Var("x") in c.args]

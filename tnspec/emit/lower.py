@@ -28,23 +28,29 @@ from ..planning.plan import Plan, Step
 from .products import Products
 
 
-def lower(plan: Plan, channels_last: bool = False, convert: bool = False) -> Program:
+def lower(plan: Plan, channels_last: bool = False, convert: bool = False,
+          compiled: bool = False) -> Program:
     """The nodes that execute ``plan``'s order for any shape, laid out for a contiguous input
     or, with ``channels_last``, a channels-last one (any layout computes the same).
     ``convert``: the program converts its input to channels-last, runs laid out for that and
     hands its result back contiguous (1x1 convolutions over a channels-last tensor can take
-    half the time; whether that pays for the two copies is for the autotuner to measure)."""
+    half the time; whether that pays for the two copies is for the autotuner to measure).
+    ``compiled``: the form ``torch.compile`` traces, where a 1x1 convolution over a contiguous
+    input runs 1-D over the flattened spatial axes (Inductor wraps the 2-D form in copies of
+    its input); eagerly it stays 2-D, the same kernel without the four reshapes a step."""
     if isinstance(plan, LookupPlan):
         return lower_lookup(plan)
-    return _Lowering(plan, channels_last or convert, convert).program()
+    return _Lowering(plan, channels_last or convert, convert, compiled).program()
 
 
 class _Lowering(Products):
-    def __init__(self, plan: Plan, channels_last: bool = False, convert: bool = False) -> None:
+    def __init__(self, plan: Plan, channels_last: bool = False, convert: bool = False,
+                 compiled: bool = False) -> None:
         super().__init__(plan.network)
         self.plan = plan
         self.channels_last = channels_last
         self.convert = convert
+        self.compiled = compiled
         self.var: dict[str, Var | Param] = {}  # plan operand -> what holds it now
         # the layout each conv or linear step reads its weight in: where an einsum builds that
         # weight, it writes it in an order that layout is one cheap permute away from
@@ -196,9 +202,11 @@ class _Lowering(Products):
         convs = [by_source.get(i) for i in sp.spatial]
         batch = self.batch_dim(left, sp.batch)
         spatial = [self.dim(left, i) for i in sp.spatial]
-        # a 1x1 conv over a contiguous input runs as a 1-D one over the flattened axes: the
-        # same kernel in eager mode, but Inductor wraps a 2-D 1x1 conv in copies of its input
-        flat = not step.convs and len(sp.spatial) > 1 and not self.channels_last
+        # compiled, a 1x1 conv over a contiguous input runs as a 1-D one over the flattened
+        # axes, since Inductor wraps a 2-D 1x1 conv in copies of its input; eagerly both are
+        # the same kernel, and the 2-D one dispatches four reshapes fewer (fwd and bwd)
+        flat = self.compiled and not step.convs and len(sp.spatial) > 1 and \
+            not self.channels_last
         x = self.arrange(left, sp.batch + sp.groups + sp.inputs + sp.spatial,
                          [batch, self.product(sp.groups + sp.inputs)] +
                          ([math.prod(spatial, start=Size.of(1))] if flat else spatial))

@@ -47,15 +47,35 @@ def load_class(source: str, name: str) -> type:
 
 
 def layer_class(network: Network, plan: Plan | None, channels_last: bool = False,
-                convert: bool = False) -> type:
+                convert: bool = False, compiled: bool = False) -> type:
     """The generated class of one layer, with the ``forward`` of ``plan`` (laid out for a
-    channels-last input if asked, or converting to channels-last inside: see ``lower``) when
-    one is given."""
+    channels-last input if asked, or converting to channels-last inside, in the form
+    ``torch.compile`` traces if ``compiled``: see ``lower``) when one is given. The class keeps
+    how it was lowered (``lowered``), so that the compiled form of the same choice can be made
+    (:func:`compiled_form`)."""
     layer = codegen.LayerCode(network, None) if plan is None else \
-        codegen.LayerCode(network, lower(plan, channels_last, convert),
+        codegen.LayerCode(network, lower(plan, channels_last, convert, compiled),
                           codegen.summary_line(plan))
     source = codegen.generate([layer])
-    return load_class(source, codegen.class_name(network))
+    cls = load_class(source, codegen.class_name(network))
+    cls.lowered = (network, plan, convert, compiled)
+    return cls
+
+
+def compiled_form(cls: type, channels_last: bool) -> type:
+    """The class ``torch.compile`` should trace for the eager class ``cls`` run on an input
+    laid out ``channels_last`` or not: the same plan and op choices, lowered in the compiled
+    form (made once per class and layout). The layout is asked, not read off the class: one
+    eager source can serve both layouts, where the compiled forms differ."""
+    network, plan, convert, compiled = cls.lowered
+    if compiled or plan is None:
+        return cls
+    forms = vars(cls).get("compiled_forms")
+    if forms is None:
+        forms = cls.compiled_forms = {}
+    if channels_last not in forms:
+        forms[channels_last] = layer_class(network, plan, channels_last, convert, compiled=True)
+    return forms[channels_last]
 
 
 def fingerprint(*classes: type, rename: Callable[[str], str] = str) -> str:

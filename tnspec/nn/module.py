@@ -105,12 +105,13 @@ class Layer(nn.Module):
         self._last_shape: torch.Size | None = None
         self._last_stride: tuple[int, ...] | None = None
         self._last_autocast: torch.dtype | None = None
+        self._last_channels_last = False  # whether the last eager input was channels-last
         self.__dict__.setdefault("_tuning_spent", 0.0)  # seconds spent timing orders
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()  # generated classes are rebuilt, not pickled
         for name in ("_classes", "_plans", "_last_class", "_last_shape", "_last_stride",
-                     "_last_autocast", "_trace_name"):
+                     "_last_autocast", "_last_channels_last", "_trace_name"):
             del state[name]
         state.pop("_traced_class", None)
         return state
@@ -265,7 +266,7 @@ class Layer(nn.Module):
             cls = runtime.layer_class(self.network, the_plan, channels_last)
         self._plans[key] = (shape, the_plan)
         spent = time.perf_counter() - start
-        # a first call that blocks for seconds should not be silent (docs/performance.md, "What a first call does")
+        # a first call that blocks for seconds should not be silent (docs/performance.md)
         logger.log(logging.INFO if spent > 1.0 else logging.DEBUG,
                    "%s for %s: first call took %.2f s (%s)%s", self.spec,
                    # a lookup's planned shape ends in the one-hot axis the caller never sees
@@ -310,7 +311,7 @@ class Layer(nn.Module):
         others) with its channel mixing as 1x1 convolutions, since timing which op is faster
         has no place in a trace. Any plan computes any shape."""
         if self._last_class is not None:
-            return self._last_class
+            return runtime.compiled_form(self._last_class, self._last_channels_last)
         shape = tuple(example_shape(self.network, {}))
         if len(shape) == self._unbatched_dims:
             shape = (1, *shape)
@@ -318,7 +319,7 @@ class Layer(nn.Module):
         model = calibration.cost_model(*self._where(), measure_now=False)
         the_plan = plan(bind_shape(self.network, shape), self.planner, max_bytes=self.max_bytes,
                         itemsize=self._itemsize(), model=model, choose=lambda step: "conv1x1")
-        return runtime.layer_class(self.network, the_plan)
+        return runtime.layer_class(self.network, the_plan, compiled=True)
 
     def _fastest(self, shape: tuple[int, ...], channels_last: bool = False
                  ) -> tuple[type, Plan, str]:
@@ -357,6 +358,7 @@ class Layer(nn.Module):
                 # not through nn.Module.__setattr__, which is slow
                 owner.__dict__.update(
                     _last_class=cls, _last_shape=x.shape, _last_stride=x.stride(),
+                    _last_channels_last=last,
                     _last_autocast=_autocast("cuda" if x.is_cuda else "cpu"))
             return cls.forward(self, x)
         except AttributeError:

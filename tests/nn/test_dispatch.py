@@ -1,0 +1,79 @@
+"""Ops dispatched per training step: on a GPU each one is host time, so a layer should dispatch
+no more than the module one would write by hand for the same order. Counted on the CPU with a
+``TorchDispatchMode`` (the count does not depend on the device). Issue 58 tracks the way to
+parity; these tests hold what is reached so far, so that a change that adds ops fails."""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import tnspec
+
+
+class Count(TorchDispatchMode):
+    """Every aten op dispatched inside the ``with`` block, by name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: collections.Counter[str] = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def step_ops(module: nn.Module, x: torch.Tensor) -> collections.Counter[str]:
+    """The ops of one forward and backward with a contiguous gradient, as a next layer gives
+    it, the parameters' gradients unset (``zero_grad()``'s default), after a warm-up call."""
+    y = module(x)
+    g = torch.randn_like(y)
+    module.zero_grad(set_to_none=True)
+    with Count() as counted:
+        module(x).backward(g)
+    module.zero_grad(set_to_none=True)
+    return counted.ops
+
+
+@pytest.fixture
+def conv1x1(monkeypatch):
+    """Channel mixing by 1x1 convolutions, as the measured choice on a GPU is expected to be."""
+    monkeypatch.setattr(tnspec.planning.calibration, "chooser",
+                        lambda *a, **k: lambda step: "conv1x1")
+
+
+def test_a_1x1_channel_mix_dispatches_no_reshape_of_the_data(conv1x1):
+    """Eagerly a 1x1 conv runs 2-D on the 4-D data as it came: 1-D over the flattened axes
+    (the form torch.compile traces) cost two reshapes of the data forward and two backward."""
+    layer = tnspec.formats.tucker2(64, 64, 3, rank=16, padding=1).layer(autotune=False)
+    x = torch.randn(2, 64, 16, 16)
+    ops = step_ops(layer, x)
+    hand = step_ops(nn.Sequential(nn.Conv2d(64, 16, 1, bias=False),
+                                  nn.Conv2d(16, 16, 3, padding=1, bias=False),
+                                  nn.Conv2d(16, 64, 1)), x)
+    assert ops["convolution"] == hand["convolution"] == 3
+    assert ops["convolution_backward"] == 3
+    # what remains over the hand-written module: each core's permute (and a 1x1 weight's view)
+    # forward and back, and the copy autograd makes of a gradient whose strides are not the
+    # core's (issue 58: store the cores in the layout their op reads)
+    assert ops["view"] <= 4 and ops["permute"] <= 6
+    assert sum(ops.values()) <= 2.5 * sum(hand.values()), (dict(ops), dict(hand))
+    source = layer.source(tuple(x.shape))
+    assert "F.conv1d" not in source and "x.reshape" not in source
+
+
+def test_the_compiled_form_keeps_the_flattened_1x1_conv(conv1x1):
+    """torch.compile traces the same plan lowered with 1-D 1x1 convs over a contiguous input
+    (Inductor wraps the 2-D form in copies of its input), and 2-D ones over a channels-last
+    input, even where the eager code for both layouts is one."""
+    layer = tnspec.formats.tucker2(16, 16, 3, rank=4, padding=1).layer(autotune=False)
+    layer(torch.randn(2, 16, 8, 8))
+    compiled = tnspec.emit.runtime.source_of(layer._compilable_class().forward)
+    assert "F.conv1d" in compiled
+    layer(torch.randn(2, 16, 8, 8).contiguous(memory_format=torch.channels_last))
+    compiled = tnspec.emit.runtime.source_of(layer._compilable_class().forward)
+    assert "F.conv1d" not in compiled and "F.conv2d" in compiled
