@@ -6,25 +6,21 @@ parity; these tests hold what is reached so far, so that a change that adds ops 
 from __future__ import annotations
 
 import collections
+import importlib.util
 
 import pytest
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import tnspec
 
+from ..conftest import ROOT
 
-class Count(TorchDispatchMode):
-    """Every aten op dispatched inside the ``with`` block, by name."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: collections.Counter[str] = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops[func.overloadpacket.__name__] += 1
-        return func(*args, **(kwargs or {}))
+_spec = importlib.util.spec_from_file_location("dispatch_ops",
+                                               ROOT / "benchmarks" / "dispatch_ops.py")
+dispatch_ops = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(dispatch_ops)
+Count = dispatch_ops.Count  # the benchmark's counter: every aten op dispatched, by name
 
 
 def step_ops(module: nn.Module, x: torch.Tensor) -> collections.Counter[str]:
