@@ -231,12 +231,13 @@ def test_mixing_benchmark_finds_the_input_copy_only_in_the_einsum_form():
 
 def test_dispatch_ops_counts_a_resnet_step_and_every_format(capsys):
     """benchmarks/dispatch_ops.py, the op table of RESULTS.md: it runs, and the counts hold
-    what issue 58's first step reached (the tensorized ResNet-18 was at 723 ops before the
-    eager 2-D 1x1 conv; the hand-written three convs are the goal)."""
+    what issue 58's first step reached (the tensorized ResNet-18 ran 1x1 convs flattened
+    eagerly too, the last row; the hand-written three convs are the goal)."""
     assert load("dispatch_ops").main() == 0
     rows = {line.split("|")[1].strip(): line.split("|")[-2].strip()
             for line in capsys.readouterr().out.splitlines() if line.startswith("| ")}
+    before = "tnspec tucker2 at 25%, 1x1 convs flattened (before)"
     ops = {name: int(rows[name].replace(",", "")) for name in (
-        "dense", "3 convs by hand (tucker2's ranks)", "tnspec tucker2 at 25%")}
+        "dense", "3 convs by hand (tucker2's ranks)", "tnspec tucker2 at 25%", before)}
     assert ops["dense"] < ops["3 convs by hand (tucker2's ranks)"] < ops["tnspec tucker2 at 25%"]
-    assert ops["tnspec tucker2 at 25%"] <= 600
+    assert ops["tnspec tucker2 at 25%"] <= 600 < ops[before]

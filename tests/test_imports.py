@@ -160,8 +160,9 @@ def test_the_family_check_names_a_crossing_import():
         "tnspec/workflows/adapted.py:4: the workflows' shared floor imports "
         "tnspec.workflows.adapters.state, of the adapters family (move what both need to "
         "tnspec/workflows/)",
-        "tnspec/workflows/adapters/adapt.py:9: adapters imports tnspec.workflows.convert.tensorize, "
-        "of the convert family (move what both need to tnspec/workflows/)"]
+        "tnspec/workflows/adapters/adapt.py:9: adapters imports "
+        "tnspec.workflows.convert.tensorize, of the convert family (move what both need to "
+        "tnspec/workflows/)"]
 
 
 def test_no_import_cycle_typing_imports_included():

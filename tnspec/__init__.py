@@ -30,7 +30,7 @@ from .nn.embedding import EmbeddingBag, TiedHead, embedding, embedding_bag
 from .nn.module import Layer
 from .workflows.adapted import Adapted, Saved, set_adapter
 from .workflows.adapters.state import (adapter_config, adapter_state_dict, disable_adapters,
-                                      load_adapters, merge_adapters)
+                                       load_adapters, merge_adapters)
 from .workflows.adapters.adapt import AdaptReport, adapt
 from .workflows.convert.compress import CompressReport, compress
 from .workflows.adapters.hotswap import hotswap

@@ -1,7 +1,8 @@
 """Init: how each core is drawn, as plain data (``CoreInit``).
 
-Theory (docs/language.md, "Initialization"; Pan et al., ICML 2022, Theorem 2 and eq. 8). For zero-mean
-independent cores and input, every output element is a sum of uncorrelated products, so
+Theory (docs/language.md, "Initialization"; Pan et al., ICML 2022, Theorem 2 and eq. 8). For
+zero-mean independent cores and input, every output element is a sum of uncorrelated products,
+so
 
     Var(y) = Var(x) * prod_c Var(W_c) * S_in,   S_in = product of the sizes the forward pass sums
                                                 (every core index the output does not carry)

@@ -40,7 +40,8 @@ def check(doc: Document, *, layer: str | None = None, sizes: Mapping[str, Any] |
 
 def _alike(a: str, b: str) -> bool:
     """Whether two index names look like one typed twice: one letter changed (of two or
-    more), added or dropped (``r1``/``rl``, ``o``/``oo``), or close as ``difflib`` measures longer names."""
+    more), added or dropped (``r1``/``rl``, ``o``/``oo``), or, for longer names, close as
+    ``difflib`` measures it."""
     if a == b:
         return False
     if len(a) == len(b):  # one letter of two or more changed (never 'r' for 's')

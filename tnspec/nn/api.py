@@ -6,7 +6,6 @@ initialized :class:`~tnspec.nn.module.Layer`), ``tnspec.contract`` (its function
 from __future__ import annotations
 
 import difflib
-
 import math
 from dataclasses import replace
 from types import SimpleNamespace
@@ -71,8 +70,8 @@ def compile_all(text: str, *, names: Sequence[str] | None = None,
     params: dict[str, None] = {}  # every parameter of the chosen layers, in order
     for name in chosen:
         if doc.is_file:  # --set reaches the layers that declare the parameter
-            declared = {p.name for p in select_layer(doc, name).params}
-            params.update(dict.fromkeys(p.name for p in select_layer(doc, name).params))
+            declared = [p.name for p in select_layer(doc, name).params]
+            params.update(dict.fromkeys(declared))
             own = {k: v for k, v in sizes.items() if k in declared}
             unused -= set(own)
         else:

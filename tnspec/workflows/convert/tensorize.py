@@ -1,8 +1,8 @@
 """``tnspec.tensorize``: replace the ``nn.Conv1d/2d/3d`` and linear layers (``nn.Linear``,
 Hugging Face's ``Conv1D``) of an existing model by tensorial layers of a named format, either
 freshly initialized for the activation that follows them (Graph-in by default) or fitted to the
-trained weights they replace (``weights="fit"``). ``tnspec.merge`` (``tnspec.workflows.convert.merge``)
-is the way back.
+trained weights they replace (``weights="fit"``). ``tnspec.merge``
+(``tnspec.workflows.convert.merge``) is the way back.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from ..left_alone import read_directly, tied, tied_heads
 from ..model_tree import Selector, selected, set_submodule
 from ..stand_ins import TensorizedConv, TensorizedLinear
 from .activations import following_activations
+
 
 @dataclass(frozen=True)
 class Replacement:
