@@ -16,69 +16,21 @@ this machine's measurements.
 
 from __future__ import annotations
 
-import collections
 import copy
 import os
+import sys
+from pathlib import Path
 
 os.environ.setdefault("TNSPEC_CALIBRATE", "0")
 
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 import tnspec  # noqa: E402
 
-
-class Count(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: collections.Counter[str] = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops[func.overloadpacket.__name__] += 1
-        return func(*args, **(kwargs or {}))
-
-
-class BasicBlock(nn.Module):
-    def __init__(self, c: int, o: int, stride: int) -> None:
-        super().__init__()
-        self.conv1 = nn.Conv2d(c, o, 3, stride, 1, bias=False)
-        self.bn1 = nn.BatchNorm2d(o)
-        self.relu = nn.ReLU(inplace=True)
-        self.conv2 = nn.Conv2d(o, o, 3, 1, 1, bias=False)
-        self.bn2 = nn.BatchNorm2d(o)
-        self.downsample = None
-        if stride != 1 or c != o:
-            self.downsample = nn.Sequential(nn.Conv2d(c, o, 1, stride, bias=False),
-                                            nn.BatchNorm2d(o))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        identity = x if self.downsample is None else self.downsample(x)
-        y = self.relu(self.bn1(self.conv1(x)))
-        return self.relu(self.bn2(self.conv2(y)) + identity)
-
-
-class ResNet18(nn.Module):
-    """torchvision's ``resnet18`` architecture (module names included)."""
-
-    def __init__(self, classes: int = 100) -> None:
-        super().__init__()
-        self.conv1 = nn.Conv2d(3, 64, 7, 2, 3, bias=False)
-        self.bn1 = nn.BatchNorm2d(64)
-        self.relu = nn.ReLU(inplace=True)
-        self.maxpool = nn.MaxPool2d(3, 2, 1)
-        c = 64
-        for i, (o, stride) in enumerate(((64, 1), (128, 2), (256, 2), (512, 2))):
-            setattr(self, f"layer{i + 1}", nn.Sequential(BasicBlock(c, o, stride),
-                                                         BasicBlock(o, o, 1)))
-            c = o
-        self.avgpool = nn.AdaptiveAvgPool2d(1)
-        self.fc = nn.Linear(512, classes)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.maxpool(self.relu(self.bn1(self.conv1(x))))
-        x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
-        return self.fc(torch.flatten(self.avgpool(x), 1))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import Count  # noqa: E402
+from models import ResNet18, by_hand, written_by_hand  # noqa: E402
 
 
 def step_ops(module: nn.Module, x: torch.Tensor) -> int:
@@ -92,15 +44,6 @@ def step_ops(module: nn.Module, x: torch.Tensor) -> int:
         module(x).backward(g)
     module.zero_grad(set_to_none=True)
     return sum(counted.ops.values())
-
-
-def by_hand(layer: tnspec.Layer) -> nn.Module:
-    """A tucker2 layer written as three convs at its ranks."""
-    s = layer.sizes
-    return nn.Sequential(nn.Conv2d(s["c"], s["r0"], 1, bias=False),
-                         nn.Conv2d(s["r0"], s["r1"], layer.kernel_size, layer.stride,
-                                   layer.padding, bias=False),
-                         nn.Conv2d(s["r1"], s["o"], 1, bias=layer.bias is not None))
 
 
 def main() -> int:
@@ -132,11 +75,7 @@ def table() -> None:
     def chosen(name: str, m: nn.Module) -> bool:  # stem, downsampling and fc stay dense
         return isinstance(m, nn.Conv2d) and name != "conv1" and "downsample" not in name
     tensorized, _ = tnspec.tensorize(ResNet18(), "tucker2", rank=0.25, include=chosen)
-    hand = ResNet18()
-    for name, m in tensorized.named_modules():
-        if isinstance(m, tnspec.Layer):
-            parent, _, child = name.rpartition(".")
-            setattr(hand.get_submodule(parent), child, by_hand(m))
+    hand = written_by_hand(tensorized, ResNet18())
     print(f"torch {torch.__version__}, tnspec {tnspec.__version__}; batch 2, 64x64, "
           "channel mixing by 1x1 convs, calibration off\n")
     print("| ResNet-18 (100 classes) | parameters | ops per fwd+bwd |\n|---|---|---|")

@@ -4,6 +4,7 @@ full-float32 comparisons, the allocator setting and the machine line printed bes
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import ctypes
 import platform
@@ -13,8 +14,21 @@ from typing import Callable, Iterator
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import tnspec
+
+
+class Count(TorchDispatchMode):
+    """Every aten op dispatched while it is entered, by name: on a GPU each is host time."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: collections.Counter[str] = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
 
 
 def fwd_bwd(module: nn.Module, x: torch.Tensor, autocast: torch.dtype | None = None

@@ -5,6 +5,7 @@ stems adapted to small images as is usual), each dense and tensorized with ``tns
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
@@ -74,6 +75,68 @@ def mobilenet_v2(classes: int = 10) -> nn.Module:
     layers += [nn.Conv2d(c, 1280, 1, bias=False), nn.BatchNorm2d(1280), nn.ReLU6(),
                nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(1280, classes)]
     return nn.Sequential(*layers)
+
+
+class TorchvisionBlock(nn.Module):
+    def __init__(self, c: int, o: int, stride: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(c, o, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(o)
+        self.relu = nn.ReLU(inplace=True)
+        self.conv2 = nn.Conv2d(o, o, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(o)
+        self.downsample = None
+        if stride != 1 or c != o:
+            self.downsample = nn.Sequential(nn.Conv2d(c, o, 1, stride, bias=False),
+                                            nn.BatchNorm2d(o))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        identity = x if self.downsample is None else self.downsample(x)
+        y = self.relu(self.bn1(self.conv1(x)))
+        return self.relu(self.bn2(self.conv2(y)) + identity)
+
+
+class ResNet18(nn.Module):
+    """torchvision's ``resnet18`` architecture (module names included)."""
+
+    def __init__(self, classes: int = 100) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 64, 7, 2, 3, bias=False)
+        self.bn1 = nn.BatchNorm2d(64)
+        self.relu = nn.ReLU(inplace=True)
+        self.maxpool = nn.MaxPool2d(3, 2, 1)
+        c = 64
+        for i, (o, stride) in enumerate(((64, 1), (128, 2), (256, 2), (512, 2))):
+            setattr(self, f"layer{i + 1}", nn.Sequential(TorchvisionBlock(c, o, stride),
+                                                         TorchvisionBlock(o, o, 1)))
+            c = o
+        self.avgpool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(512, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.maxpool(self.relu(self.bn1(self.conv1(x))))
+        x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
+        return self.fc(torch.flatten(self.avgpool(x), 1))
+
+
+def by_hand(layer: tnspec.Layer) -> nn.Module:
+    """A tucker2 layer written as three convs at its ranks."""
+    s = layer.sizes
+    return nn.Sequential(nn.Conv2d(s["c"], s["r0"], 1, bias=False),
+                         nn.Conv2d(s["r0"], s["r1"], layer.kernel_size, layer.stride,
+                                   layer.padding, bias=False),
+                         nn.Conv2d(s["r1"], s["o"], 1, bias=layer.bias is not None))
+
+
+def written_by_hand(tensorized: nn.Module, dense: nn.Module) -> nn.Module:
+    """A copy of ``dense`` with each layer that ``tensorized`` holds as a tucker2
+    :class:`tnspec.Layer` written by hand as three convs at its ranks."""
+    hand = copy.deepcopy(dense)
+    for name, m in tensorized.named_modules():
+        if isinstance(m, tnspec.Layer):
+            parent, _, child = name.rpartition(".")
+            setattr(hand.get_submodule(parent), child, by_hand(m))
+    return hand
 
 
 def _spatial(name: str, module: nn.Module) -> bool:
