@@ -313,3 +313,45 @@ def test_autotune_always_times_the_reconstruct_first_order(monkeypatch):
     monkeypatch.setattr(tnspec.Layer, "_time", fake)
     compare(module, torch.randn(*shape))
     assert dense_first in timed
+
+
+def test_on_a_gpu_candidates_are_timed_by_the_device_without_their_launches(monkeypatch):
+    """On CUDA, ``autotune.stopwatch`` times a candidate by events around its kernels queued
+    behind a sleep of the stream, so that the host's launches (which a CUDA graph or a
+    compiled step does not pay) are not counted: here the host takes 5 ms to queue what the
+    device runs in 1 ms, and 1 ms is what is read. The sleep grows to outlast the queueing.
+    Checked with a fake stream: the events read a device clock that only the sleep and the
+    kernels move."""
+    from tnspec.nn import autotune
+    device = {"now": 0.0, "sleeps": []}
+    host = {"now": 0.0}
+
+    class Event:
+        def __init__(self, enable_timing: bool = False) -> None:
+            self.at = None
+
+        def record(self) -> None:
+            self.at = device["now"]
+
+        def synchronize(self) -> None:
+            pass
+
+        def elapsed_time(self, end: "Event") -> float:
+            return (end.at - self.at) * 1e3  # milliseconds, as CUDA's
+
+    def sleep(cycles: int) -> None:
+        device["sleeps"].append(cycles)
+        device["now"] += cycles / 2e9
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "_sleep", sleep)
+    monkeypatch.setattr(autotune, "clock", lambda: host["now"])
+    watch = autotune.stopwatch(torch.device("cuda"))
+    assert isinstance(watch, autotune.DeviceWatch)
+    for _ in range(2):
+        watch.start()
+        host["now"] += 5e-3  # the host queues for 5 ms ...
+        device["now"] += 1e-3  # ... kernels the device runs in 1 ms
+        assert watch.stop() == pytest.approx(1e-3)
+    assert device["sleeps"][0] < 3e7 <= device["sleeps"][1]  # 3 x 5 ms at 2 GHz
+    assert isinstance(autotune.stopwatch(torch.device("cpu")), autotune.HostWatch)

@@ -775,9 +775,9 @@ def test_time_orders_reads_the_injected_clock_into_medians_and_spreads(monkeypat
     shape = (2, 4, 6, 6)
     classes = [layer._planned(shape)] * 2
     durations = [1.0, 0.5, 1.1, 0.5, 0.9, 0.5, 1.0, 2.0, 1.2, 0.5]  # rounds of (model, other)
-    # each call of the clock moves it on: nothing before a start (the warm-up round reads
-    # only starts), a duration before an end
-    steps = iter([0.0, 0.0] + [x for d in durations for x in (0.0, d)])
+    # each call of the clock moves it on: nothing before a start, a duration before an end
+    # (the warm-up round's are read and dropped)
+    steps = iter([0.0, 9.0, 0.0, 9.0] + [x for d in durations for x in (0.0, d)])
     now = [0.0]
 
     def fake() -> float:

@@ -92,8 +92,9 @@ def device_key(device: torch.device | str, dtype: torch.dtype) -> str:
     """What a calibration is valid for: the device model, dtype, CPU threads and torch."""
     device = torch.device(device)
     if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        where = f"cuda {name}"
+        # "device time": orders timed without their launches since issue 58; the choices
+        # timed with them, under the old key, are not recalled
+        where = f"cuda {torch.cuda.get_device_name(device)} device time"
     else:
         where = f"{device.type} {_cpu_name()} {torch.get_num_threads()} threads"
     return f"{where} | {str(dtype).replace('torch.', '')} | torch {torch.__version__}"
