@@ -400,3 +400,58 @@ def test_training_under_fsdp2_and_ddp_matches_one_process_and_reloads(tmp_path, 
     assert found["losses"] == pytest.approx(want, rel=1e-5)
     assert found["losses"][-1] < found["losses"][0]  # it trained
     assert found["reloaded"] == pytest.approx(found["losses"][-1], rel=1e-6)
+
+
+def _guards_from_generated_code(run) -> tuple[list[str], dict[str, int]]:
+    """The symbolic-shape guards that lines of tnspec's generated code added while ``run()``
+    compiled, and dynamo's graph and recompile counts."""
+    import logging
+    from torch._dynamo.utils import counters
+    guards: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            message = record.getMessage()
+            if "guard added" in message and "tnspec-generated" in message:
+                guards.append(message)
+    log = logging.getLogger("torch.fx.experimental.symbolic_shapes")
+    handler, level = Keep(), log.level
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    counters.clear()
+    try:
+        run()
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
+    return guards, {"graphs": counters["stats"]["unique_graphs"],
+                    "breaks": sum(counters["graph_break"].values())}
+
+
+def test_a_tensorized_network_compiles_once_per_shape_and_its_sizes_add_no_guard(monkeypatch):
+    """Inductor, fullgraph: three training steps at one shape compile one graph with no
+    break and no recompile; at a second size (dynamo's automatic dynamic shapes) no line of
+    tnspec's code adds a guard, so tnspec's size arithmetic is plain integer work. It once
+    did: a stride-2 TT layer's conv output was split into its channel modes and merged back,
+    and the merge's sizes, tnspec's ``(h_in - kh) // 2 + 2`` beside the conv's own, made
+    dynamo prove them equal (the ``pow_by_natural`` warnings of an H100 run)."""
+    monkeypatch.setenv("TORCHINDUCTOR_FX_GRAPH_CACHE", "0")  # guards come from a fresh compile
+    monkeypatch.setenv("TORCHINDUCTOR_AUTOGRAD_CACHE", "0")
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    net = nn.Sequential(
+        nn.Conv2d(3, 16, 3, padding=1),
+        tnspec.formats.tucker2(16, 16, 3, rank=0.25, padding=1).layer(), nn.ReLU(),
+        tnspec.formats.tt(16, 32, 3, rank=0.25, padding=1, stride=2).layer(), nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 10))
+    compiled = torch.compile(net, fullgraph=True)
+
+    def steps(size: int, n: int) -> None:
+        for _ in range(n):
+            compiled(torch.randn(4, 3, size, size)).sum().backward()
+    guards, counts = _guards_from_generated_code(lambda: steps(16, 3))
+    assert counts == {"graphs": 1, "breaks": 0}
+    guards, counts = _guards_from_generated_code(lambda: steps(24, 2))
+    assert counts["breaks"] == 0 and guards == []
+    x = torch.randn(2, 3, 20, 20)
+    torch.testing.assert_close(compiled(x), net(x), rtol=1e-4, atol=1e-5)
