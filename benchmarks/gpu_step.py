@@ -27,6 +27,7 @@ the kernels launched per step (the profiler's device events).
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import copy
 import statistics
@@ -283,6 +284,8 @@ def block(title: str, variants: list[Variant], modes: list[str], device: torch.d
             host_ms = statistics.median(h for _, h in v.times) * 1e3
             first = first or step_ms
             ops = dispatched(v.step) if mode == "eager" else ""
+            if mode == "eager" and orders_run(v.model):
+                v.notes.append(f"orders run: {orders_run(v.model)}")
             print(f"| {mode} | {v.label} | {step_ms:.2f} | {step_ms / first:.2f} | "
                   f"{host_ms:.2f} | {ops} | {'; '.join(v.notes)} |", flush=True)
             if mode == "eager" and device.type == "cuda":
@@ -290,6 +293,15 @@ def block(title: str, variants: list[Variant], modes: list[str], device: torch.d
         for v in variants:
             if mode != "eager":
                 v.step = None  # a captured graph holds its memory pool until dropped
+
+
+def orders_run(model: nn.Module) -> str:
+    """How many of the model's tnspec layers ran each planner's order in their last call
+    (autotuning's choice, for the default planner)."""
+    ran = collections.Counter(m._last_class.lowered[1].planner for m in model.modules()
+                              if isinstance(m, tnspec.Layer) and m._last_class is not None
+                              and m._last_class.lowered[1] is not None)
+    return ", ".join(f"{name} {n}" for name, n in ran.most_common())
 
 
 def graphs_in_child(child: list[str], labels: list[str], rounds: int) -> None:

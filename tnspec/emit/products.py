@@ -46,6 +46,13 @@ class Products(Builder):
                 return self.weight(step, left, right, order, base, comment)
             out = order  # an outer product: torch.einsum writes it contiguous in this order
             dims = [self.dim(left, i) if i in a else self.dim(right, i) for i in out]
+        elif not step.data_side and set(a) - set(out) and set(a) - set(b) and \
+                set(b) - set(a) and set(a) | set(b) <= set(out) | (set(a) & set(b)):
+            # a matrix product of cores (a chain's inner step): one matmul dispatches a
+            # third of the ops torch.einsum does (its permutes, views and bmm), fwd and bwd
+            # (in the step's order: a later einsum reads its operands in theirs)
+            y = self.weight(step, left, right, _nearest(a, b, out, out), base, comment)
+            return self.arrange(y, out, [self.dim(y, i) for i in out])
         if len(names) <= len(_LETTERS):
             letter = dict(zip(names, _LETTERS))
             eq = "".join(letter[i] for i in a) + "," + "".join(letter[i] for i in b) + \
