@@ -182,6 +182,26 @@ def test_state_dict_holds_only_adapters_and_reloads_onto_a_fresh_model():
         {n for n, p in model.named_parameters() if p.requires_grad}
 
 
+def test_loading_an_adapter_over_one_of_the_same_name_is_refused_and_changes_nothing():
+    """Loading adapters onto a model that holds one of that name replaced it without a word;
+    it is an error now, raised before the model is touched, for adapted layers and for
+    modules trained in full alike."""
+    torch.manual_seed(0)
+    model, _ = tnspec.adapt(nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 2)), "tt",
+                            rank=2, include="0", modules_to_save="2")
+    state, config = tnspec.adapter_state_dict(model), tnspec.adapter_config(model)
+    before = {n: t.clone() for n, t in model.state_dict().items()}
+    with pytest.raises(tnspec.SpecError, match="layer '0' already holds an adapter named "
+                       "'default': loading would replace it") as caught:
+        tnspec.load_adapters(model, state, config)
+    assert "tnspec.hotswap" in str(caught.value)
+    assert all(torch.equal(model.state_dict()[n], t) for n, t in before.items())
+    config["layers"] = {}
+    with pytest.raises(tnspec.SpecError, match="layer '2' already holds an adapter named "
+                       "'default'"):
+        tnspec.load_adapters(model, {n: t for n, t in state.items() if ".copies." in n}, config)
+
+
 def test_named_adapters_switch_disable_and_merge_by_name():
     torch.manual_seed(0)
     base = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -45,7 +46,9 @@ def test_an_exported_lora_reproduces_the_adapter_within_its_reported_error(fmt):
     with torch.no_grad():
         torch.testing.assert_close(loaded(base, full)(x), want, rtol=1e-4, atol=1e-4)
     # rank 1: the error reported is the delta's, and the outputs move by about as much
-    cut = tnspec.export_lora(adapted, rank=1)
+    with pytest.warns(UserWarning, match=r"the rank-1 LoRA loses more than 0.05 of the "
+                      r"adapter's delta in 2 of 2 layer\(s\), at worst 0\.\d\d \('\d'\)"):
+        cut = tnspec.export_lora(adapted, rank=1)
     assert all(0 < e < 1 for e in cut.errors.values())
     assert "LoRA rank 1 of 2 layer(s)" in str(cut)
     delta = tnspec.merge_adapters(adapted)[3].weight - base[3].weight
@@ -83,3 +86,32 @@ def test_layers_without_a_lora_form_are_named_before_anything_is_made():
                            name="x")
     with pytest.raises(tnspec.SpecError, match="the model is a bare adapted layer"):
         tnspec.export_lora(tnspec.adapt(nn.Linear(3, 3), "cp", rank=1)[0], 2)
+
+
+def test_modules_trained_in_full_go_with_the_lora_and_peft_loads_them():
+    """A new head trained in full (``modules_to_save``) is exported as PEFT saves its
+    ``modules_to_save``: its tensors and its name in the config, so that PEFT's model is the
+    adapted one, head included. (It was left out without a word: PEFT then ran the untrained
+    head.) Full rank, no warning; a warning names the worst layer when the cut loses much."""
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(6, 12), nn.ReLU(), nn.Linear(12, 12), nn.ReLU(),
+                         nn.Linear(12, 3))
+    adapted, _ = tnspec.adapt(copy.deepcopy(base), "tt", rank=4, include=["0", "2"],
+                              modules_to_save="4")
+    with torch.no_grad():
+        for p in adapted.parameters():
+            if p.requires_grad:
+                p.add_(0.3 * torch.randn_like(p))
+    x = torch.randn(5, 6)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        export = tnspec.export_lora(adapted, rank=12)
+    assert export.config["modules_to_save"] == ["4"]
+    assert {"base_model.model.4.weight", "base_model.model.4.bias"} <= set(export.state)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(base, export)(x), adapted(x), rtol=1e-4, atol=1e-4)
+    with pytest.warns(UserWarning, match=r"give a higher rank .* or warn_above=None"):
+        tnspec.export_lora(adapted, rank=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        tnspec.export_lora(adapted, rank=1, warn_above=None)

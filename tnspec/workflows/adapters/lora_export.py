@@ -2,10 +2,13 @@
 (vLLM, diffusers, PEFT without tnspec). Each adapted layer's delta weight (float64, as
 ``merge_adapters`` adds it) is cut to its best rank-``r`` approximation, the truncated SVD of the
 delta unfolded as ``(out, in * kernel)``, and written as PEFT's ``lora_A`` / ``lora_B`` tensors
-with ``lora_alpha = r`` (scaling 1); the relative error of each cut is reported."""
+with ``lora_alpha = r`` (scaling 1); the relative error of each cut is reported, and warned of
+above ``warn_above``. Modules trained in full (``adapt(..., modules_to_save=...)``) go in as
+PEFT's ``modules_to_save``."""
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,7 +16,7 @@ import torch
 from torch import nn
 
 from ...errors import SpecError
-from ..adapted import Adapted, adapted_modules
+from ..adapted import Adapted, Saved, adapted_modules
 from ..dense_layers import is_linear, is_transposed
 
 
@@ -34,7 +37,8 @@ class LoraExport:
 
 
 def export_lora(model: nn.Module, rank: int, name: str | None = None,
-                prefix: str = "base_model.model.") -> LoraExport:
+                prefix: str = "base_model.model.", warn_above: float | None = 0.05
+                ) -> LoraExport:
     """Adapter ``name`` (by default each layer's active one) of every adapted layer of
     ``model`` as a rank-``rank`` LoRA in PEFT's layout: ``state`` keys
     ``prefix + "<layer>.lora_A.weight"`` and ``".lora_B.weight"`` (for a conv, ``lora_A`` is a
@@ -42,7 +46,12 @@ def export_lora(model: nn.Module, rank: int, name: str | None = None,
     ``lora_B`` a 1x1 conv), ``config`` for ``peft.LoraConfig(**config)``:
     ``set_peft_model_state_dict`` loads ``state`` into ``get_peft_model(base,
     LoraConfig(**config))``. Grouped and dilated convs and layers whose padding is not zeros
-    have no LoRA form in PEFT: a SpecError names them."""
+    have no LoRA form in PEFT: a SpecError names them. Each module trained in full
+    (``modules_to_save`` of ``adapt``) is exported as PEFT saves its ``modules_to_save``: its
+    copy for the adapter, under ``prefix + "<module>.<tensor>"``, and its name in
+    ``config["modules_to_save"]``. A layer whose LoRA loses more than ``warn_above`` of its
+    delta (relative error; None: never) is warned of, with the rank that would keep it: a
+    TT or TR adapter's delta is often of high rank, and its cut is not the adapter."""
     if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
         raise SpecError(f"rank={rank!r} must be a positive int", hint="e.g. rank=8")
     state: dict[str, torch.Tensor] = {}
@@ -84,9 +93,26 @@ def export_lora(model: nn.Module, rank: int, name: str | None = None,
         raise SpecError("no adapted layer has " + (f"an adapter named {name!r}" if name else
                                                    "an active adapter"),
                         hint="adapt the model first, or give name=")
+    saved = []
+    for path, module in adapted_modules(model):
+        key = module.active if name is None else name
+        if isinstance(module, Saved) and key in module.copies:
+            saved.append(path)
+            state |= {f"{prefix}{path}.{n}": t.detach()
+                      for n, t in module.copies[key].state_dict().items()}
+    lossy = {path: e for path, e in errors.items() if warn_above is not None and e > warn_above}
+    if lossy:
+        worst = max(lossy, key=lossy.__getitem__)
+        warnings.warn(f"export_lora: the rank-{rank} LoRA loses more than {warn_above:g} of the "
+                      f"adapter's delta in {len(lossy)} of {len(errors)} layer(s), at worst "
+                      f"{lossy[worst]:.2f} ({worst!r}); the exported model will not compute what "
+                      f"the adapted one does: give a higher rank (export.errors has every "
+                      f"layer's), or warn_above=None", stacklevel=2)
     if len(set(transposed)) > 1:
         raise SpecError("the adapted layers mix transformers' Conv1D with nn.Linear: PEFT's "
                         "fan_in_fan_out is one flag for all", hint="export them separately")
     config = {"r": rank, "lora_alpha": rank, "target_modules": sorted(errors),
               "fan_in_fan_out": bool(transposed[0]), "lora_dropout": 0.0, "bias": "none"}
+    if saved:
+        config["modules_to_save"] = saved
     return LoraExport(state, config, errors)

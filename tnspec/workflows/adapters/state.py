@@ -177,7 +177,8 @@ def load_adapters(model: nn.Module, state: Mapping[str, Any],
     the model is a bare adapted layer). ``strict``: every layer they name must exist with the
     geometry it was adapted at, and every tensor of ``state`` must be used. The nested dict
     of earlier releases (``"tnspec-adapters/1"``, one ``torch.save`` file) loads without
-    ``config``."""
+    ``config``. A layer that already holds an adapter of a name being loaded is an error
+    (:func:`tnspec.hotswap` writes new tensors into it)."""
     if config is None and isinstance(state, Mapping) and state.get("format") == _NESTED:
         state, config = _flattened(state)
     if not isinstance(config, Mapping) or config.get("format") != FORMAT:
@@ -199,6 +200,8 @@ def load_adapters(model: nn.Module, state: Mapping[str, Any],
                             f"{kind_names()}")
         adapters = []
         for key, saved in entry["adapters"].items():
+            if isinstance(module, Adapted) and key in module.adapters:
+                raise _held(path, key)
             tensors = {}
             for part in ("adapters", "offsets"):
                 prefix = ".".join(filter(None, [path, part, key])) + "."
@@ -217,6 +220,8 @@ def load_adapters(model: nn.Module, state: Mapping[str, Any],
         if module is None:
             continue
         for key in entry["copies"]:
+            if isinstance(module, Saved) and key in module.copies:
+                raise _held(path, key)
             prefix = ".".join(filter(None, [path, "copies", key])) + "."
             tensors = {n[len(prefix):]: t for n, t in state.items() if n.startswith(prefix)}
             used |= {prefix + n for n in tensors}
@@ -254,6 +259,14 @@ def load_adapters(model: nn.Module, state: Mapping[str, Any],
     for active in dict.fromkeys(a for a in actives if a):
         set_adapter(root, active)
     return root
+
+
+def _held(path: str, key: str) -> SpecError:
+    """The error for loading adapter ``key`` where layer ``path`` already holds one so named
+    (loading replaced it without a word)."""
+    return SpecError(f"layer {path!r} already holds an adapter named {key!r}: loading would "
+                     f"replace it", hint="load onto a fresh copy of the base model, or write "
+                     "the saved tensors into the adapter there with tnspec.hotswap")
 
 
 def _found(model: nn.Module, path: str, strict: bool) -> nn.Module | None:
