@@ -391,3 +391,29 @@ def test_peft_runs_tnspec_adapters_through_its_own_api(tmp_path):
     merged = model.merge_and_unload()
     assert type(merged[0]) is nn.Conv2d and merged[0].padding_mode == "reflect"
     assert (merged(x) - y).norm() <= 1e-5 * y.norm()
+
+
+def test_the_report_names_adapted_layers_a_sample_forward_never_reaches():
+    """``adapt(..., sample=batch)``: the adapted layers the forward never called (an
+    AutoModel's pooler whose output the task ignores) are named in the report, since their
+    adapters would never train; the sample runs in eval mode without changing the model."""
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = nn.Linear(4, 8)
+            self.norm = nn.BatchNorm1d(8)
+            self.pooler = nn.Linear(8, 8)  # defined, never called
+
+        def forward(self, x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+            return self.norm(self.body(x)) * scale
+    torch.manual_seed(0)
+    x = torch.randn(3, 4)
+    model, report = tnspec.adapt(Net(), "cp", rank=2, sample=x)
+    assert report.unreached == ("pooler",)
+    assert "never reached by the sample's forward (their adapters will not train): pooler" \
+        in str(report)
+    assert model.training and torch.equal(model.norm.running_mean, torch.zeros(8))
+    assert tnspec.adapt(Net(), "cp", rank=2, sample={"x": x, "scale": 2.0})[1].unreached == \
+        ("pooler",)
+    assert tnspec.adapt(Net(), "cp", rank=2, sample=(x, 2.0))[1].unreached == ("pooler",)
+    assert tnspec.adapt(Net(), "cp", rank=2)[1].unreached == ()

@@ -21,6 +21,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+import torch
 from torch import nn
 
 from ...errors import SpecError
@@ -63,6 +64,7 @@ class AdaptReport:
     trainable: int  # every trainable parameter of the model after adapt
     total: int  # every parameter of the model, adapters included
     saved: tuple[tuple[str, int], ...] = ()  # modules_to_save: (name, parameters)
+    unreached: tuple[str, ...] = ()  # adapted layers a forward of ``sample`` never called
 
     def __str__(self) -> str:
         lines = [f"adapt: {self.adapter!r} ({self.format}) on {len(self.adapted)} layer(s), "
@@ -80,6 +82,9 @@ class AdaptReport:
                          "adapters)")
         for name, why in self.skipped:
             lines.append(f"  skipped {name}: {why}")
+        if self.unreached:
+            lines.append(f"  never reached by the sample's forward (their adapters will not "
+                         f"train): {', '.join(self.unreached)}")
         return "\n".join(lines)
 
 
@@ -87,8 +92,8 @@ def adapt(model: nn.Module, fmt: Fmt = "low_rank", *, rank: int | float | None =
           include: Selector = None, exclude: Selector = None, scale: float = 1.0,
           name: str = "default", zero: str | None = None,
           sizes: Mapping[str, int] | None = None, modules_to_save: Selector = None,
-          step_rule: str | None = None, init: str = "zero", **options: Any
-          ) -> tuple[nn.Module, AdaptReport]:
+          step_rule: str | None = None, init: str = "zero", sample: Any = None,
+          **options: Any) -> tuple[nn.Module, AdaptReport]:
     """Add adapter ``name`` to every ``nn.Linear`` / ``nn.Conv1d/2d/3d`` of ``model`` selected by
     ``include``/``exclude`` (as :func:`tnspec.tensorize`), in place: each becomes an
     :class:`Adapted` module (or gets one more adapter), and every parameter of the model other
@@ -126,6 +131,12 @@ def adapt(model: nn.Module, fmt: Fmt = "low_rank", *, rank: int | float | None =
     ``adapter_state_dict`` saves and ``merge_adapters`` keeps. A new classification head is
     one. A layer that is tied to another (a language model's head and its token embedding)
     is left out, and the report says so.
+
+    ``sample``: a batch the model takes (a tensor, a tuple of positional arguments or a dict
+    of keyword arguments, as a tokenizer gives); the adapted model runs it once, in eval mode
+    and without gradients, and the report names the adapted layers the forward never called
+    (``unreached``: a ``pooler`` of a model whose pooled output the task does not use), whose
+    adapters would not train.
 
     >>> net = nn.Sequential(nn.Conv2d(4, 16, 3, padding=1, padding_mode="reflect"), nn.ReLU(),
     ...                     nn.Flatten(), nn.Linear(16 * 8 * 8, 10))
@@ -225,13 +236,38 @@ def adapt(model: nn.Module, fmt: Fmt = "low_rank", *, rank: int | float | None =
     for p in result.parameters():  # as get_peft_model: the new adapter alone trains
         p.requires_grad_(False)
     set_adapter(result, name)
+    unreached = () if sample is None else _unreached(result, [a.name for a in adapted], sample)
     params = list(result.parameters())
     return result, AdaptReport(name, fmt if isinstance(fmt, str) and fmt in formats.NAMES
                                else "spec", tuple(adapted), tuple(skipped),
                                sum(p.numel() for p in params if p.requires_grad),
                                sum(p.numel() for p in params),
                                tuple((path, sum(p.numel() for p in m.parameters()))
-                                     for path, m in to_save))
+                                     for path, m in to_save), unreached)
+
+
+def _unreached(model: nn.Module, paths: list[str], sample: Any) -> tuple[str, ...]:
+    """The adapted layers (by path) that a forward of ``sample`` never calls; the model runs
+    in eval mode (no batch statistics updated) without gradients, and is left as it was."""
+    called: set[str] = set()
+    hooks = [model.get_submodule(path).register_forward_hook(
+        lambda module, args, out, path=path: called.add(path)) for path in paths if path]
+    modes = {m: m.training for m in model.modules()}
+    try:
+        model.eval()
+        with torch.no_grad():
+            if isinstance(sample, Mapping):
+                model(**sample)
+            elif isinstance(sample, tuple):
+                model(*sample)
+            else:
+                model(sample)
+    finally:
+        for hook in hooks:
+            hook.remove()
+        for m, training in modes.items():
+            m.training = training
+    return tuple(path for path in paths if path and path not in called)
 
 
 def _to_save(model: nn.Module, selector: Selector, name: str) -> list[tuple[str, nn.Module]]:
