@@ -5,6 +5,8 @@ express with a reason."""
 from __future__ import annotations
 
 import copy
+import math
+import warnings
 
 import pytest
 import torch
@@ -321,3 +323,55 @@ def test_tied_weights_stay_tied_and_skipped_kinds_are_counted():
         "yet\n" in text + "\n"
     x = torch.randint(0, 100, (3,))
     assert model(x).shape == (3, 100)
+
+
+class _Conv2dSame(nn.Conv2d):
+    """TensorFlow's "same" padding made in forward, as checkpoints ported from TensorFlow hold
+    every conv (timm's ``Conv2dSame``, EfficientNet-PyTorch's static-same padding)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        pads = []
+        for n, k, s, d in zip(reversed(x.shape[-2:]), reversed(self.kernel_size),
+                              reversed(self.stride), reversed(self.dilation)):
+            total = max((math.ceil(n / s) - 1) * s + (k - 1) * d + 1 - n, 0)
+            pads += [total // 2, total - total // 2]
+        return F.conv2d(F.pad(x, pads), self.weight, self.bias, self.stride, 0, self.dilation,
+                        self.groups)
+
+
+def test_convs_that_pad_same_in_their_forward_are_the_plain_convs_they_compute():
+    """A conv subclass padding "same" in its own forward was skipped by tensorize, adapt and
+    compress ("overrides forward"). At stride 1 it computes a plain conv, checked on random
+    inputs of two sizes: that conv (holding the same parameters) is what they work on, and
+    the report says so. At stride 2 the pad depends on the input size: skipped, saying why."""
+    torch.manual_seed(0)
+    net = nn.Sequential(_Conv2dSame(3, 16, 3, stride=2), nn.ReLU(), _Conv2dSame(16, 16, 1),
+                        nn.ReLU(), _Conv2dSame(16, 16, 5), nn.ReLU(),
+                        _Conv2dSame(16, 8, 3, dilation=2))
+    x = torch.randn(2, 3, 17, 17)
+    with torch.no_grad():
+        want = net(x)
+    adapted, report = tnspec.adapt(copy.deepcopy(net), "tucker2", rank=0.5, include=["4", "6"])
+    assert [a.name for a in report.adapted] == ["4", "6"]
+    assert all("_Conv2dSame that pads in its forward" in a.note for a in report.adapted)
+    with torch.no_grad():
+        assert torch.equal(adapted(x), want)  # exact at init
+        merged = tnspec.merge_adapters(adapted)
+        torch.testing.assert_close(merged(x), want)
+    assert type(merged[4]) is nn.Conv2d and merged[4].padding == (2, 2)
+    assert merged[6].padding == (2, 2) and merged[6].dilation == (2, 2)
+    with warnings.catch_warnings():  # rank 16: full rank, more parameters than layer 6 has
+        warnings.simplefilter("ignore")
+        tensorized, report = tnspec.tensorize(copy.deepcopy(net), "low_rank", rank=16,
+                                              weights="fit")
+    assert [r.name for r in report.replaced] == ["2", "4", "6"]
+    assert dict(report.skipped)["0"] == (
+        "_Conv2dSame overrides forward: a layer of its weight would not compute what it does "
+        "(stride (2, 2): a pad made in forward would depend on the input size)")
+    with torch.no_grad():
+        torch.testing.assert_close(tensorized(x), want, rtol=1e-3, atol=1e-4)
+    # compress sees each layer's inputs and sensitivity where the model calls it (a hook on
+    # the plain conv, which the model never calls, saw nothing: every sensitivity was 0)
+    _, report = tnspec.compress(copy.deepcopy(net), 0.5, data=[x], include=["2", "4", "6"])
+    assert [c.name for c in report.choices] == ["2", "4", "6"]
+    assert all(c.sensitivity > 0.1 for c in report.choices), [c.sensitivity for c in report.choices]

@@ -196,7 +196,7 @@ def adapt(model: nn.Module, fmt: Fmt = "low_rank", *, rank: int | float | None =
             if owner is not None and name in owner.adapters:
                 raise SpecError(f"it has an adapter named {name!r} already",
                                 hint="give another name=, or merge_adapters first")
-            check_forward(module)
+            original, module = module, check_forward(module)
             layer, scaling, pad, zeroed, note = adapter_layer(module, fmt, rank, scale, zero,
                                                               sizes, options, init)
             step_rule_.bound(layer, step_rule, zeroed)
@@ -206,11 +206,14 @@ def adapt(model: nn.Module, fmt: Fmt = "low_rank", *, rank: int | float | None =
             continue
         owner = owner or Adapted(module)
         owner.add(name, layer, scaling, pad, zeroed, offset)
-        wrapped[id(module)] = (owner, path)
+        wrapped[id(original)] = (owner, path)
         if path:
             set_submodule(model, path, owner)
         else:
             root = owner
+        if original is not module:
+            note = "; ".join(filter(None, [note, f"a {type(original).__name__} that pads in "
+                                           "its forward: adapted as the plain conv it computes"]))
         own, theirs = (sum(p.numel() for p in m.parameters()) for m in (layer, module))
         if own > theirs:
             note = "; ".join(filter(None, [note, "more parameters than the layer it adapts: "

@@ -209,7 +209,7 @@ def compress(model: nn.Module, budget: float = 0.25, formats: Sequence[str] = FO
     options = {**FIT, **dict(fit or {})}
     other = never_replaced(model)
     left_alone = {**read_directly(model), **tied(model), **adapted_parts(model)}
-    layers, skipped = [], []
+    layers, skipped, watched = [], [], []
     for name, module in model.named_modules():
         if not is_dense(module) or isinstance(module, Layer) or \
                 not selected(name, module, include, exclude):
@@ -217,11 +217,12 @@ def compress(model: nn.Module, budget: float = 0.25, formats: Sequence[str] = FO
         try:
             if name in left_alone:
                 raise SpecError(left_alone[name])
-            check_forward(module)
+            plain = check_forward(module)  # a subclass padding "same" itself: a plain conv
         except SpecError as exc:
             skipped.append((name, exc.message))
             continue
-        layers.append((name, module))
+        layers.append((name, plain))
+        watched.append((name, module))  # what the model calls: where its inputs are seen
     if not layers:
         why = f": {first_skipped(skipped)}" if skipped else ""
         raise SpecError(f"no layer to compress{why}",
@@ -238,8 +239,11 @@ def compress(model: nn.Module, budget: float = 0.25, formats: Sequence[str] = FO
             raise SpecError("data= holds no batch", hint="give a tensor, or an iterable of "
                             "batches with at least one")
     progress = Progress("compress")
-    seen = observe.inputs(model, layers, data, max_batches, run) if data is not None else {}
-    sensitivity = observe.sensitivities(model, layers, data, run) if data is not None else {}
+    called = dict(watched)
+    seen = observe.inputs(model, layers, data, max_batches, run, called) \
+        if data is not None else {}
+    sensitivity = observe.sensitivities(model, layers, data, run, called=called) \
+        if data is not None else {}
     progress.line(f"{len(layers)} layer(s) to fit"
                   + (f", inputs recorded ({now() - started:.0f} s)" if data else ""))
     deadline = math.inf if max_seconds is None else started + max_seconds

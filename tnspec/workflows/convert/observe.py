@@ -55,9 +55,12 @@ def call(model: nn.Module, batch: Any, run: Runner | None = None) -> Any:
 
 
 def inputs(model: nn.Module, layers: list[tuple[str, nn.Module]], data: list[Any],
-           max_batches: int, run: Runner | None = None
+           max_batches: int, run: Runner | None = None,
+           called: Mapping[str, nn.Module] | None = None
            ) -> dict[str, tuple[tuple[int, ...], torch.Tensor]]:
-    """``{layer: (an input shape it saw, the metric factor of its inputs)}``."""
+    """``{layer: (an input shape it saw, the metric factor of its inputs)}``. ``called``: the
+    module the model calls for a layer where it is not the layer itself (a conv subclass
+    padding in its forward, whose plain conv is the layer)."""
     rows: dict[str, list[torch.Tensor]] = {name: [] for name, _ in layers}
     shapes: dict[str, tuple[int, ...]] = {}
 
@@ -79,7 +82,7 @@ def inputs(model: nn.Module, layers: list[tuple[str, nn.Module]], data: list[Any
                                     module.dilation, keep, seed)
             rows[name].append(r.double())
         return record
-    _run(model, layers, data, hook, run)
+    _run(model, layers, data, hook, run, called or {})
     return {name: (shapes[name], moments.factor(torch.cat(rows[name]),
                                                 getattr(module, "groups", 1)))
             for name, module in layers if rows[name]}
@@ -93,8 +96,8 @@ def _padding(module: nn.Module) -> tuple[int, ...]:
 
 
 def _run(model: nn.Module, layers: list[tuple[str, nn.Module]], data: list[Any],
-         make_hook: Callable, run: Runner | None) -> None:
-    handles = [m.register_forward_pre_hook(make_hook(n, m)) for n, m in layers]
+         make_hook: Callable, run: Runner | None, called: Mapping[str, nn.Module]) -> None:
+    handles = [called.get(n, m).register_forward_pre_hook(make_hook(n, m)) for n, m in layers]
     training = {m: m.training for m in model.modules()}
     try:
         model.eval()
@@ -109,9 +112,11 @@ def _run(model: nn.Module, layers: list[tuple[str, nn.Module]], data: list[Any],
 
 
 def sensitivities(model: nn.Module, layers: list[tuple[str, nn.Module]], data: list[Any],
-                  run: Runner | None = None, noise: float = 0.01) -> dict[str, float]:
+                  run: Runner | None = None, noise: float = 0.01,
+                  called: Mapping[str, nn.Module] | None = None) -> dict[str, float]:
     """Per layer: ``||f(x; layer output + noise) - f(x)|| / (noise ||f(x)||)`` for Gaussian
-    noise of ``noise`` times the output's rms (own generator), on the first batch."""
+    noise of ``noise`` times the output's rms (own generator), on the first batch
+    (``called`` as for :func:`inputs`)."""
     x = data[0]
     training = {m: m.training for m in model.modules()}
     out = {}
@@ -125,7 +130,7 @@ def sensitivities(model: nn.Module, layers: list[tuple[str, nn.Module]], data: l
                 def perturb(_: nn.Module, args: tuple, y: torch.Tensor) -> torch.Tensor:
                     rms = y.pow(2).mean().sqrt()
                     return y + noise * rms * torch.randn(y.shape, generator=gen).to(y)
-                handle = module.register_forward_hook(perturb)
+                handle = (called or {}).get(name, module).register_forward_hook(perturb)
                 try:
                     moved = _flat(call(model, x, run))
                 finally:

@@ -193,7 +193,7 @@ def tensorize(model: nn.Module, format: str = "tucker2", *, rank: int | float = 
         try:
             if name in left_alone:
                 raise SpecError(left_alone[name])
-            check_forward(module)
+            original, module = module, check_forward(module)
             fit_error = None
             if error is not None:
                 new, fit_error = _smallest(module, format, init, act, options, error,
@@ -211,8 +211,11 @@ def tensorize(model: nn.Module, format: str = "tucker2", *, rank: int | float = 
         if weights == "fit" and not weight_of(module).detach().any():
             note = (f"the weight is all zero: cores at their Graph-in scale with "
                     f"{decompose.output_core(new.network)} zeroed, so that it still trains")
-        _keep_state(module, new)
+        _keep_state(original, new)
         set_submodule(model, name, new)
+        if original is not module:
+            note = "; ".join(filter(None, [note, f"a {type(original).__name__} that pads in its "
+                                           "forward: as the plain conv it computes"]))
         replaced.append(Replacement(name, repr(module), new.spec,
                                     sum(p.numel() for p in module.parameters()),
                                     sum(p.numel() for p in new.parameters()), str(act), source,
