@@ -232,16 +232,18 @@ def test_mixing_benchmark_finds_the_input_copy_only_in_the_einsum_form():
 
 def test_dispatch_ops_counts_a_resnet_step_and_every_format(capsys):
     """benchmarks/dispatch_ops.py, the op table of RESULTS.md: it runs, and the counts hold
-    what issue 58's first step reached (the tensorized ResNet-18 ran 1x1 convs flattened
-    eagerly too, the last row; the hand-written three convs are the goal)."""
+    what issue 58 reached: within 20% of the hand-written three convs (a 1x1 weight's view
+    each way per layer), where running the 1x1 convs flattened eagerly (the last row) is
+    well over."""
     assert load("dispatch_ops").main() == 0
     rows = {line.split("|")[1].strip(): line.split("|")[-2].strip()
             for line in capsys.readouterr().out.splitlines() if line.startswith("| ")}
     before = "tnspec tucker2 at 25%, 1x1 convs flattened (before)"
     ops = {name: int(rows[name].replace(",", "")) for name in (
         "dense", "3 convs by hand (tucker2's ranks)", "tnspec tucker2 at 25%", before)}
-    assert ops["dense"] < ops["3 convs by hand (tucker2's ranks)"] < ops["tnspec tucker2 at 25%"]
-    assert ops["tnspec tucker2 at 25%"] <= 600 < ops[before]
+    hand = ops["3 convs by hand (tucker2's ranks)"]
+    assert ops["dense"] < hand < ops["tnspec tucker2 at 25%"]
+    assert ops["tnspec tucker2 at 25%"] <= 1.2 * hand < ops[before]
 
 
 def test_gpu_step_smoke_times_every_model_and_says_what_needs_cuda(capsys):

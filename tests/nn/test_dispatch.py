@@ -53,11 +53,12 @@ def test_a_1x1_channel_mix_dispatches_no_reshape_of_the_data(conv1x1):
                                   nn.Conv2d(16, 64, 1)), x)
     assert ops["convolution"] == hand["convolution"] == 3
     assert ops["convolution_backward"] == 3
-    # what remains over the hand-written module: each core's permute (and a 1x1 weight's view)
-    # forward and back, and the copy autograd makes of a gradient whose strides are not the
-    # core's (issue 58: store the cores in the layout their op reads)
-    assert ops["view"] <= 4 and ops["permute"] <= 6
-    assert sum(ops.values()) <= 2.5 * sum(hand.values()), (dict(ops), dict(hand))
+    # tucker2 lays its cores out as the convs read them: what remains over the hand-written
+    # module is a 1x1 weight's view forward and back; no permute into the op's layout, no copy
+    # of a gradient whose strides are not the core's (23 ops before, 14 now, by hand 10)
+    assert ops["view"] <= 4 and ops["permute"] == 0
+    assert ops["new_empty_strided"] == ops["copy_"] == ops["clone"] == 0, dict(ops)
+    assert sum(ops.values()) <= 1.5 * sum(hand.values()), (dict(ops), dict(hand))
     source = layer.source(tuple(x.shape))
     assert "F.conv1d" not in source and "x.reshape" not in source
 

@@ -33,6 +33,13 @@ def _tucker2(p: Parts, r: list[str]) -> list[list[str]]:
     return [p.ins + r[:1], r[:2] + p.ks, r[1:2] + p.outs]
 
 
+def _tucker2_out_first(p: Parts, r: list[str]) -> list[list[str]]:
+    """Tucker-2 with each core's output index first, as a conv's weight is laid out: the
+    layer's ops take the cores as they are stored (a view for a 1x1 weight), with no permute
+    into the op's layout and no copy of the gradient back into the core's."""
+    return [r[:1] + p.ins, r[1:2] + r[:1] + p.ks, p.outs + r[1:2]]
+
+
 def _tt(p: Parts, r: list[str]) -> list[list[str]]:
     """Garipov et al.: a kernel core, then one core per (input, output) mode pair."""
     cores = [p.ks + r[:1]] if p.ks else []
@@ -96,7 +103,7 @@ TOPOLOGIES: dict[str, Topology] = {
     "low_rank": Topology(_low_rank, lambda p: 1, "UV"),
     "cp": Topology(_cp, lambda p: 1, ""),
     "tucker": Topology(_tucker, lambda p: 2 + len(p.ks), ""),
-    "tucker2": Topology(_tucker2, lambda p: 2, "UGV"),
+    "tucker2": Topology(_tucker2_out_first, lambda p: 2, "UGV"),
     # Hyper Tucker-2 (paper Fig. 5): Tucker-2's graph; formats gives it phi=4 by default
     "htk2": Topology(_tucker2, lambda p: 2, "UGV"),
     "tt": Topology(_tt, lambda p: len(p.ins) - (0 if p.ks else 1), ""),
