@@ -43,7 +43,8 @@ class Products(Builder):
                 set(a) | set(b) <= set(out) | (set(a) & set(b)):  # nothing summed on one side
             order = _nearest(a, b, out, self.wanted[base])
             if set(a) - set(out) and set(a) - set(b) and set(b) - set(a):  # a matrix product
-                return self.weight(step, left, right, order, base, comment)
+                return self.weight(step, left, right, order, base, comment,
+                                   self.wanted[base])
             out = order  # an outer product: torch.einsum writes it contiguous in this order
             dims = [self.dim(left, i) if i in a else self.dim(right, i) for i in out]
         elif not step.data_side and set(a) - set(out) and set(a) - set(b) and \
@@ -51,7 +52,7 @@ class Products(Builder):
             # a matrix product of cores (a chain's inner step): one matmul dispatches a
             # third of the ops torch.einsum does (its permutes, views and bmm), fwd and bwd
             # (in the step's order: a later einsum reads its operands in theirs)
-            y = self.weight(step, left, right, _nearest(a, b, out, out), base, comment)
+            y = self.weight(step, left, right, _nearest(a, b, out, out), base, comment, out)
             return self.arrange(y, out, [self.dim(y, i) for i in out])
         if len(names) <= len(_LETTERS):
             letter = dict(zip(names, _LETTERS))
@@ -122,11 +123,16 @@ class Products(Builder):
         return y
 
     def weight(self, step: Step, left: Var | Param, right: Var | Param,
-               order: tuple[str, ...], base: str, comment: str) -> Var | Param:
+               order: tuple[str, ...], base: str, comment: str,
+               wanted: Sequence[str]) -> Var | Param:
         """A step that builds the weight of a later conv or linear (reconstruct-first), as
         one ``torch.matmul`` of the two operands flattened, its result in ``order``
-        (:func:`_nearest`: one permute from the layout that step reads); ``torch.einsum``
-        would permute it back to the step's order, and the consumer copy it again."""
+        (:func:`_nearest`: one permute from ``wanted``, the layout that step reads);
+        ``torch.einsum`` would permute it back to the step's order, and the consumer copy it
+        again. Where that permutes operands that taken as stored would not need it, the
+        product is made in their order instead and permuted once into ``wanted``: a permuted
+        operand costs a copy forward, its gradient's permute back and, for a core, autograd's
+        copy of a gradient whose strides are not the core's."""
         a, b, out = step.left.indices, step.right.indices, step.result.indices
         batch = [i for i in order if i in a and i in b]
         contracted = [i for i in a if i in b and i not in out]
@@ -134,6 +140,20 @@ class Products(Builder):
         if own[0] not in a:  # the right operand's own indices come first: it goes left
             left, right, a = right, left, b
         first, second = [i for i in own if i in a], [i for i in own if i not in a]
+        stored_l, stored_r = self.layout[left], self.layout[right]
+        as_stored = ([i for i in stored_l if i in batch], [i for i in stored_l if i in first],
+                     [i for i in stored_r if i in contracted], [i for i in stored_r
+                                                                if i in second])
+        # a permuted operand costs about twice what the product's one permute into the
+        # consumer's layout does (its gradient is permuted back, and copied into a core's)
+        if 2 * (_permutes(stored_l, as_stored[0] + as_stored[1] + as_stored[2]) +
+                _permutes(stored_r, as_stored[0] + as_stored[2] + as_stored[3])) + \
+                (as_stored[0] + as_stored[1] + as_stored[3] != list(wanted)) < \
+                2 * (_permutes(stored_l, batch + first + contracted) +
+                     _permutes(stored_r, batch + contracted + second)) + \
+                (list(order) != list(wanted)):
+            batch, first, contracted, second = as_stored
+            order = tuple(batch + first + second)
         dims = {i: self.dim(h, i) for h in (left, right) for i in self.layout[h]}
         lm = self.merged(left, [batch, first, contracted])
         rm = self.merged(right, [batch, contracted, second])
@@ -143,6 +163,12 @@ class Products(Builder):
                                   for c in flat],
                             comment=comment.replace("einsum", "the next step's weight", 1))
         return self.reshape_to(product, order, [dims[i] for i in order], base + "_r")
+
+
+def _permutes(layout: Sequence[str], wanted: Sequence[str]) -> int:
+    """1 where a tensor laid out ``layout`` must be permuted to be read in ``wanted``'s order
+    (the indices of ``layout`` not in ``wanted`` being summed elsewhere: none here)."""
+    return int([i for i in layout if i in wanted] != list(wanted))
 
 
 def _nearest(a: Sequence[str], b: Sequence[str], out: Sequence[str],
