@@ -467,3 +467,30 @@ def test_tensorize_shows_a_line_per_layer_on_a_terminal_and_nothing_otherwise(mo
     assert lines[0].startswith("tensorize: 0: Conv2d -> tucker2, fit error ")
     assert lines[1].startswith("tensorize: 2: Conv2d -> tucker2, fit error ")
     assert len(lines) == 2
+
+
+def test_a_grouped_convs_fit_runs_on_two_threads():
+    """The least-squares step of a grouped conv's fit solves a batch of Gram matrices. With
+    torch 2.13's batched LU on two CPU threads it failed inside MKL ("Pivots given to lu_solve
+    must all be greater or equal to 1") wherever the matrices needed pivoting; they are
+    positive definite (a Gram with a ridge) and are solved by Cholesky now."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        torch.manual_seed(0)
+        conv = nn.Sequential(nn.Conv2d(64, 128, 3, groups=4, padding=1))
+        _, report = tnspec.tensorize(conv, "tucker2", rank=0.5, weights="fit")
+    finally:
+        torch.set_num_threads(threads)
+    assert [r.name for r in report.replaced] == ["0"] and report.replaced[0].fit_error < 0.7
+
+
+def test_the_spd_solve_equals_lu_and_solves_a_matrix_cholesky_refuses_alone():
+    from tnspec.fit.als import _spd_solve
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(3, 40, 40, generator=gen, dtype=torch.float64)
+    g = a @ a.mT + torch.eye(40, dtype=torch.float64)
+    g[1] = a[1] + a[1].mT  # symmetric, indefinite: Cholesky fails on this one alone
+    rows = torch.randn(3, 40, 5, generator=gen, dtype=torch.float64)
+    want = torch.stack([torch.linalg.solve(g[i], rows[i]) for i in range(3)])
+    torch.testing.assert_close(_spd_solve(g, rows), want)
