@@ -17,7 +17,7 @@ from torch import nn
 import tnspec
 from tnspec import formats
 from tnspec.fit import moments
-from tnspec.workflows.convert.compress import _allocate
+from tnspec.workflows.convert.allocate import allocate
 
 from ..model_state import snapshot, unchanged
 
@@ -137,13 +137,13 @@ def test_the_allocation_is_the_knapsack_optimum():
         best = min((sum(items[i][k][1] for i, k in enumerate(pick)), pick)
                    for pick in itertools.product(range(3), repeat=3)
                    if sum(items[i][k][0] for i, k in enumerate(pick)) <= capacity)
-        picks = _allocate(items, budget)
+        picks = allocate(items, budget)
         assert sum(items[i][k][1] for i, k in enumerate(picks)) == pytest.approx(best[0])
     with pytest.raises(tnspec.SpecError, match="below what the smallest candidates need"):
-        _allocate(items, 0.05)
+        allocate(items, 0.05)
     # each layer's count rounded up to the DP's unit (7 here) sums past the budget, yet the
     # dense layers fit it exactly: keeping them is the answer, not an error
-    assert _allocate([[(4001, 0.0)], [(4001, 0.0)], [(4536, 0.0)]], 1.0) == [0, 0, 0]
+    assert allocate([[(4001, 0.0)], [(4001, 0.0)], [(4536, 0.0)]], 1.0) == [0, 0, 0]
 
 
 def test_latency_mode_never_picks_a_layer_slower_than_dense():
@@ -344,3 +344,30 @@ def test_the_report_says_which_layer_types_it_left_alone_and_why():
     assert "left alone 1 x MultiheadAttention: its in-projection is a parameter its fused " \
         "kernel reads, not a layer" in text
     assert "left alone 1 x LayerNorm: a normalization" in text
+
+
+def test_a_time_bound_gives_the_best_allocation_fitted_never_an_error(ticking):
+    """With ``max_seconds`` the first format's smallest candidate is fitted for every layer
+    before anything else, so that an allocation within the budget exists however soon the
+    time ends; where even those could not all be fitted, each layer holds its smallest
+    fitted candidate and the report says the budget was not reached. It raised "budget is
+    below what the smallest candidates need" (on MiniLM, after 522 s of a 60 s bound)."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(),
+                        nn.Linear(64, 8))
+    x = torch.randn(16, 32)
+    ticking(1.0)  # every look at the clock takes a second
+    _, report = tnspec.compress(copy.deepcopy(net), 0.3, data=[x], formats=("low_rank", "tt"),
+                                max_seconds=20, fit={"max_iter": 20})
+    assert report.unfitted > 0 and not report.over_budget
+    assert report.params_after <= 0.3 * report.params_before
+    ticking(1.0)
+    _, report = tnspec.compress(copy.deepcopy(net), 0.3, data=[x], formats=("low_rank", "tt"),
+                                max_seconds=3, fit={"max_iter": 20})
+    assert report.over_budget and report.unfitted > 0
+    assert "over the budget: max_seconds was spent" in str(report)
+    for c in report.choices:  # each layer's smallest fitted candidate
+        assert c.chosen.params == min(o.params for o in c.candidates)
+    with pytest.raises(tnspec.SpecError, match="below what the smallest candidates need"):
+        tnspec.compress(copy.deepcopy(net), 0.001, data=[x], formats=("low_rank",),
+                        fit={"max_iter": 20})

@@ -28,7 +28,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -41,6 +40,7 @@ from ..dense_layers import check_forward, is_dense, never_replaced, weight_of
 from ..left_alone import read_directly, tied
 from ..model_tree import Selector, first_skipped, selected, set_submodule
 from . import observe
+from .allocate import allocate
 from .tensorize import _keep_state, _replacement
 
 FORMATS = ("low_rank", "cp", "tucker2", "tt", "tr")  # the cheaper fits first
@@ -86,6 +86,7 @@ class CompressReport:
     unfitted: int = 0  # candidates max_seconds left no time for
     pruned: int = 0  # candidates of formats beaten at their two smallest shares, not fitted
     other: tuple[tuple[str, int, str], ...] = ()  # (kind, count, why) of those never replaced
+    over_budget: bool = False  # max_seconds ran out before candidates within budget were fitted
 
     @property
     def params_before(self) -> int:
@@ -127,6 +128,10 @@ class CompressReport:
                          "its two smallest shares (prune=False fits them)")
         if self.unfitted:
             lines.append(f"  {self.unfitted} candidate(s) not fitted: max_seconds was spent")
+        if self.over_budget:
+            lines.append("  over the budget: max_seconds was spent before every layer had a "
+                         "candidate small enough; each layer holds its smallest fitted one "
+                         "(a larger max_seconds reaches the budget)")
         for kind, n, why in self.other:
             lines.append(f"  left alone {n} x {kind}: {why}")
         return "\n".join(lines)
@@ -258,15 +263,48 @@ def compress(model: nn.Module, budget: float = 0.25, formats: Sequence[str] = FO
         choices.append((name, dense_params,
                         [(Candidate("dense", 1.0, dense_params, 0.0, dense_seconds), None)],
                         sensitivity.get(name, 1.0), dense_seconds))
-    # format by format over all layers: under a time budget every layer has the first
-    # formats' candidates before any has the last's
     networks: dict[str, set] = {name: set() for name, _ in layers}
+
+    def candidate(name: str, module: nn.Module, options_here: list, dense_params: int,
+                  dense_seconds: float | None, fmt: str, share: float, left: float
+                  ) -> Candidate | None:
+        """``fmt`` at ``share`` fitted to the layer and added to its options; None where it
+        is no candidate (no rank within the share, fitted before, slower or not smaller)."""
+        shape, metric = seen.get(name, (None, None))
+        time_of = (timer or _timed) if latency and shape is not None else None
+        try:
+            new = _replacement(module, fmt, share, "graph-in", "linear", {})
+        except SpecError:
+            return None  # no rank within that share, or a layer this format cannot be
+        net = new.network  # two formats can be one network (CP and low-rank linears)
+        same = (tuple(c.indices for c in net.cores), tuple(sorted(net.sizes.items())))
+        if same in networks[name]:
+            return None
+        networks[name].add(same)
+        cand = _fitted(module, new, fmt, share, metric,
+                       {**options, "max_seconds": min(options["max_seconds"] or math.inf,
+                                                      left)},
+                       time_of, shape, dense_seconds)
+        if cand is None or cand.params >= dense_params:
+            return None
+        options_here.append((cand, new))
+        return cand
+
+    # first, every layer's smallest candidate of the first format (a low-rank one is a
+    # truncated SVD: seconds for a whole encoder), so that an allocation within the budget
+    # exists however soon max_seconds ends the fitting
+    for (name, module), (_, dense_params, options_here, _, dense_seconds) in \
+            zip(layers, choices):
+        left = deadline - now()
+        if left > 0:
+            candidate(name, module, options_here, dense_params, dense_seconds, formats[0],
+                      min(shares), left)
+    # then format by format over all layers: under a time budget every layer has the first
+    # formats' candidates before any has the last's
     pruned = 0
     for fmt in formats:
         for (name, module), (_, dense_params, options_here, _, dense_seconds) in \
                 zip(layers, choices):
-            shape, metric = seen.get(name, (None, None))
-            time_of = (timer or _timed) if latency and shape is not None else None
             count, beaten = 0, 0
             for k, share in enumerate(sorted(shares)):
                 left = deadline - now()
@@ -276,29 +314,28 @@ def compress(model: nn.Module, budget: float = 0.25, formats: Sequence[str] = FO
                 if prune and beaten == 2 == k:  # beaten at its two smallest shares
                     pruned += len(shares) - k
                     break
-                try:
-                    new = _replacement(module, fmt, share, "graph-in", "linear", {})
-                except SpecError:
-                    continue  # no rank within that share, or a layer this format cannot be
-                net = new.network  # two formats can be one network (CP and low-rank linears)
-                same = (tuple(c.indices for c in net.cores), tuple(sorted(net.sizes.items())))
-                if same in networks[name]:
-                    continue
-                networks[name].add(same)
-                cand = _fitted(module, new, fmt, share, metric,
-                               {**options, "max_seconds": min(options["max_seconds"] or
-                                                              math.inf, left)},
-                               time_of, shape, dense_seconds)
-                if cand is None or cand.params >= dense_params:
+                cand = candidate(name, module, options_here, dense_params, dense_seconds, fmt,
+                                 share, left)
+                if cand is None:
+                    if fmt == formats[0] and k == 0:  # the floor pass fitted it
+                        count += any(c.format == fmt and c.share == share
+                                     for c, _ in options_here)
                     continue
                 beaten += any(c.format not in ("dense", fmt) and c.share == share and
-                              c.error <= cand.error for c, _ in options_here)
-                options_here.append((cand, new))
+                              c.error <= cand.error for c, _ in options_here if c is not cand)
                 count += 1
             progress.line(f"{name}: {count} {fmt} candidate(s) fitted "
                           f"({now() - started:.0f} s so far)")
-    picks = _allocate([[(c.params, (s * c.error) ** 2) for c, _ in opts]
-                       for _, _, opts, s, _ in choices], budget)
+    items = [[(c.params, (s * c.error) ** 2) for c, _ in opts] for _, _, opts, s, _ in choices]
+    over_budget = False
+    try:
+        picks = allocate(items, budget)
+    except SpecError:
+        if max_seconds is None or unfitted == 0:
+            raise  # the budget is below what the formats can do, not what time allowed
+        # bounded by time: the smallest fitted candidate of each layer, over the budget
+        picks = [min(range(len(layer)), key=lambda k: layer[k][0]) for layer in items]
+        over_budget = True
     report_rows, chosen_layers = [], {}
     for (name, dense_params, opts, s, dense_seconds), k in zip(choices, picks):
         cand, new = opts[k]
@@ -310,7 +347,7 @@ def compress(model: nn.Module, budget: float = 0.25, formats: Sequence[str] = FO
     progress.close()
     return model, CompressReport(budget, tuple(report_rows), tuple(skipped), data is not None,
                                  now() - started, unfitted=unfitted, other=other,
-                                 pruned=pruned)
+                                 pruned=pruned, over_budget=over_budget)
 
 
 def _fitted(module: nn.Module, new: Layer, fmt: str, share: float, metric: torch.Tensor | None,
@@ -327,46 +364,6 @@ def _fitted(module: nn.Module, new: Layer, fmt: str, share: float, metric: torch
     if seconds is not None and dense_seconds is not None and seconds > dense_seconds:
         return None  # latency: never slower than the dense layer
     return Candidate(fmt, share, sum(p.numel() for p in new.parameters()), error, seconds)
-
-
-def _allocate(items: list[list[tuple[int, float]]], budget: float, units: int = 2000
-              ) -> list[int]:
-    """The multiple-choice knapsack: per layer, the index of one ``(params, cost)`` item (item
-    0: dense) minimizing the total cost with ``sum params <= budget * sum dense params``."""
-    capacity_params = math.floor(budget * sum(layer[0][0] for layer in items))
-    unit = max(1, math.ceil(capacity_params / units))
-    capacity = capacity_params // unit
-    inf = math.inf
-    best = np.full(capacity + 1, inf)
-    best[0] = 0.0
-    back = []
-    for layer in items:
-        new = np.full(capacity + 1, inf)
-        arg = np.full(capacity + 1, -1, dtype=np.int64)
-        for k, (params, cost) in enumerate(layer):
-            need = -(-params // unit)  # rounded up: the budget holds exactly
-            if need > capacity:
-                continue
-            shifted = np.full(capacity + 1, inf)
-            shifted[need:] = best[:capacity + 1 - need] + cost
-            better = shifted < new
-            new[better], arg[better] = shifted[better], k
-        back.append(arg)
-        best = new
-    end = int(np.argmin(best))
-    if not math.isfinite(best[end]) and sum(layer[0][0] for layer in items) <= capacity_params:
-        return [0] * len(items)  # only rounding up to the unit ruled the dense layers out
-    if not math.isfinite(best[end]):
-        smallest = sum(min(p for p, _ in layer) for layer in items)
-        raise SpecError(f"budget={budget:g} is below what the smallest candidates need "
-                        f"({smallest:,} of {sum(layer[0][0] for layer in items):,} parameters)",
-                        hint="give a larger budget, more formats or smaller shares")
-    picks = []
-    for layer, arg in zip(reversed(items), reversed(back)):
-        k = int(arg[end])
-        picks.append(k)
-        end -= -(-layer[k][0] // unit)
-    return picks[::-1]
 
 
 def _apply(model: nn.Module, chosen: Mapping[str, nn.Module]) -> None:
