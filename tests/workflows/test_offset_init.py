@@ -173,3 +173,45 @@ def test_lora_export_of_an_offset_adapter_is_what_the_adapter_adds():
     with torch.no_grad():  # against the layer's output, so that a delta without the offset fails
         added = model[3](h) - model[3].base(h)
     torch.testing.assert_close(h @ (b @ a).T, added, rtol=1e-4, atol=1e-5)
+
+
+def test_the_principal_start_fits_the_base_weights_principal_part_and_cancels_it():
+    """``init="principal"``: PiSSA's start for any format. The cores are fitted to the base
+    weight's principal part in the format (for low_rank, the truncated SVD), and a frozen
+    copy cancels them, so the model is the base model at init; the function is PiSSA's
+    ``(W - A0) + A`` with the base weight untouched. After a training step, merging, saving
+    and loading, and exporting as LoRA all give the trained model."""
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(16, 24), nn.ReLU(), nn.Linear(24, 8))
+    x = torch.randn(5, 16)
+    model, report = tnspec.adapt(copy.deepcopy(base), "low_rank", rank=4, init="principal")
+    assert all("principal part" in a.note for a in report.adapted)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), base(x), rtol=0, atol=1e-6)
+    adapted = model[0]
+    layer, scaling = adapted.adapters["default"], adapted.scaling["default"]
+    start = scaling * layer.dense_weight().detach()
+    u, s, vh = torch.linalg.svd(base[0].weight.detach(), full_matrices=False)
+    torch.testing.assert_close(start, (u[:, :4] * s[:4]) @ vh[:4], rtol=1e-4, atol=1e-5)
+    for fmt in ("tt", "tr", "cp"):  # any format: fitted, exact at init
+        other, rep = tnspec.adapt(copy.deepcopy(base), fmt, rank=0.5, init="principal")
+        with torch.no_grad():
+            torch.testing.assert_close(other(x), base(x), rtol=0, atol=1e-6)
+        assert all("principal part" in a.note for a in rep.adapted)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    model(x).pow(2).sum().backward()
+    opt.step()
+    with torch.no_grad():
+        trained = model(x)
+        assert not torch.allclose(trained, base(x))
+        merged = tnspec.merge_adapters(copy.deepcopy(model))
+        torch.testing.assert_close(merged(x), trained, rtol=1e-5, atol=1e-6)
+        again = tnspec.load_adapters(copy.deepcopy(base), tnspec.adapter_state_dict(model),
+                                     tnspec.adapter_config(model))
+        torch.testing.assert_close(again(x), trained, rtol=1e-6, atol=1e-7)
+    export = tnspec.export_lora(model, rank=16)
+    peft = pytest.importorskip("peft")
+    lora = peft.get_peft_model(copy.deepcopy(base), peft.LoraConfig(**export.config))
+    peft.set_peft_model_state_dict(lora, export.state)
+    with torch.no_grad():
+        torch.testing.assert_close(lora(x), trained, rtol=1e-4, atol=1e-5)

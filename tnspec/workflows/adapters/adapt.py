@@ -122,7 +122,11 @@ def adapt(model: nn.Module, fmt: Fmt = "low_rank", *, rank: int | float | None =
     autograd, to float rounding with it: a matmul may pick another kernel for a weight that
     requires grad), but every core gets a gradient from the first step, where a zero core
     blocks its neighbours' (the copy costs one more forward of the adapter, no trainable
-    parameter).
+    parameter). ``init="principal"`` fits the cores to the base weight's principal part in
+    the format (the truncated SVD for ``low_rank``: PiSSA's start, for any format) and
+    subtracts a frozen copy likewise: the model computes ``W + scaling (A - A0)``, which is
+    PiSSA's ``(W - A0) + A`` with the base weight left as it is (nothing to restore when
+    merging or saving; the copy is saved with the adapter, as for ``"offset"``).
 
     ``modules_to_save`` (names, glob patterns or a function of ``(name, module)``, as
     ``include``; a name also matches at the end of a longer one, ``"classifier"`` matching
@@ -200,7 +204,7 @@ def adapt(model: nn.Module, fmt: Fmt = "low_rank", *, rank: int | float | None =
             layer, scaling, pad, zeroed, note = adapter_layer(module, fmt, rank, scale, zero,
                                                               sizes, options, init)
             step_rule_.bound(layer, step_rule, zeroed)
-            offset = frozen_copy(layer) if init == "offset" else None
+            offset = frozen_copy(layer) if init in ("offset", "principal") else None
         except SpecError as exc:
             skipped.append((path or type(module).__name__, exc.message))
             continue

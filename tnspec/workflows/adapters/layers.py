@@ -27,9 +27,13 @@ from ..stand_ins import TensorizedConv, TensorizedLinear
 
 Fmt = str | formats.Format | Network
 
-#: what ``adapt(init=...)`` knows: the output-side core at zero, or every core drawn and the
-#: initial adapter subtracted by a frozen copy of itself
-INITS = ("zero", "offset")
+#: what ``adapt(init=...)`` knows: the output-side core at zero; every core drawn and the
+#: initial adapter subtracted by a frozen copy of itself; or the cores fitted to the base
+#: weight's principal part in the format (PiSSA's start for any format), subtracted likewise
+INITS = ("zero", "offset", "principal")
+
+#: the fit of a principal start: one start, no basin hops, a few seconds a layer
+PRINCIPAL_FIT = {"starts": 1, "hops": 0, "max_iter": 30, "max_seconds": 10.0}
 
 
 def adapter_layer(base: nn.Module, fmt: Fmt, rank: int | float | None, scale: float,
@@ -38,7 +42,8 @@ def adapter_layer(base: nn.Module, fmt: Fmt, rank: int | float | None, scale: fl
                   ) -> tuple[Layer, float, tuple[tuple[int, ...], str] | None, str, str]:
     """The adapter for ``base``: ``(layer, scaling, pad, zeroed core, note)``, initialized
     (``init="zero"``: the zeroed core at zero; ``"offset"``: drawn, for a frozen copy to
-    cancel); a SpecError says why there is none."""
+    cancel; ``"principal"``: fitted to the base weight, for a frozen copy to cancel); a
+    SpecError says why there is none."""
     padding, pad = _padding(base)
     if isinstance(fmt, str) and fmt in formats.NAMES:
         if sizes:
@@ -84,7 +89,15 @@ def adapter_layer(base: nn.Module, fmt: Fmt, rank: int | float | None, scale: fl
             getattr(layer, zeroed).zero_()
         else:
             getattr(layer, zeroed).div_(stds[zeroed])
-    return layer, stds[zeroed] * math.sqrt(variance * activation), pad, zeroed, note
+    scaling = stds[zeroed] * math.sqrt(variance * activation)
+    if init == "principal" and not weight.is_meta:
+        # scaling * the layer's weight = the base weight's best approximation in the format
+        # (the truncated SVD for low_rank); a frozen copy cancels it at init, so the model
+        # computes W + scaling (A - A0): PiSSA's W - A0 + A, the base left as it is
+        error = layer.fit_(weight.float() / scaling, **PRINCIPAL_FIT)
+        note = "; ".join(filter(None, [note, f"cores fitted to the base weight's principal "
+                                       f"part (relative error {error:.3f})"]))
+    return layer, scaling, pad, zeroed, note
 
 
 def _padding(base: nn.Module) -> tuple[Any, tuple[tuple[int, ...], str] | None]:
