@@ -4,7 +4,8 @@ The digits CNN of ``experiments.models.adapters`` (pretrained on upright digits,
 rotated by 90 degrees; 0.100 before adapting), adapters on every linear and conv layer but the
 stem at a share of each layer's parameters. tnspec's formats as ``adapt`` builds them and with
 ``step_rule="spectral"`` (where it bounds a core: tucker2, tt, tr, tt_lora) and with
-``init="offset"`` (every core drawn, the initial adapter subtracted by a frozen copy); PEFT's
+``init="offset"`` (every core drawn, the initial adapter subtracted by a frozen copy) and
+``init="principal"`` (the cores fitted to the base weight, subtracted likewise); PEFT's
 LoRA, LoHa and LoKr at the largest rank within the same share. Adam at 1e-3, 3e-3 and 1e-2 (no
 per-format tuning), 10 epochs of batch 64 (230 steps), seeds 0, 1, 2. A run *diverges* when a
 loss is not finite or its final accuracy is not above the model's before adapting.
@@ -21,6 +22,10 @@ after them.
         "low_rank offset" "cp offset" "tucker2 offset" "tt offset" "tr offset" \
         "tt_lora offset" "tt offset +rule" "tr offset +rule" cp "tt_lora +rule" \
         peft-lora peft-loha peft-lokr                     # the init="offset" table
+    python -m experiments.models.adapter_rates --out adapter_rates_principal --shares 0.02 \
+        --methods "low_rank principal" "cp principal" "tucker2 principal" "tt principal" \
+        "tr principal" "tt_lora principal" "low_rank offset" "tt offset" "tr offset" \
+        peft-lora                                         # the init="principal" table
     python -m experiments.models.adapter_rates --smoke
 """
 
@@ -63,7 +68,10 @@ TNSPEC = (("low_rank", "low_rank", ""), ("cp", "cp", ""),
           ("tucker2 offset", "tucker2", "offset"), ("tt offset", "tt", "offset"),
           ("tr offset", "tr", "offset"), ("tt_lora offset", "tt_lora", "offset"),
           ("tt offset +rule", "tt", "spectral+offset"),
-          ("tr offset +rule", "tr", "spectral+offset"))
+          ("tr offset +rule", "tr", "spectral+offset"),
+          ("low_rank principal", "low_rank", "principal"), ("cp principal", "cp", "principal"),
+          ("tucker2 principal", "tucker2", "principal"), ("tt principal", "tt", "principal"),
+          ("tr principal", "tr", "principal"), ("tt_lora principal", "tt_lora", "principal"))
 PEFT = ("peft-lora", "peft-loha", "peft-lokr")
 
 
@@ -79,7 +87,8 @@ def build(base: nn.Module, method: str, share: float) -> nn.Module:
         warnings.simplefilter("ignore")  # modes of small channel counts
         model = tnspec.adapt(model, fmt, rank=share, include=base_experiment._targets(model),
                              step_rule="spectral" if "spectral" in steps else None,
-                             init="offset" if "offset" in steps else "zero")[0]
+                             init="principal" if "principal" in steps else
+                             "offset" if "offset" in steps else "zero")[0]
     if "raw" in steps:
         raw_at_init(model)
     return model
