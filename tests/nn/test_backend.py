@@ -355,3 +355,26 @@ def test_on_a_gpu_candidates_are_timed_by_the_device_without_their_launches(monk
         assert watch.stop() == pytest.approx(1e-3)
     assert device["sleeps"][0] < 3e7 <= device["sleeps"][1]  # 3 x 5 ms at 2 GHz
     assert isinstance(autotune.stopwatch(torch.device("cpu")), autotune.HostWatch)
+
+
+def test_a_layer_planning_inside_a_cuda_graph_capture_times_nothing(calibrated, monkeypatch):
+    """A layer first called on a shape while a CUDA graph is being captured (not warmed up
+    on it) must not time orders, calibrate or time channel mixing: each synchronizes, which
+    a capture forbids. It plans from the cache and the cost model instead. Checked on the CPU
+    with the capture faked."""
+    from tnspec.nn import autotune
+    from tnspec.planning import calibration
+    layer = tnspec.formats.tucker2(16, 16, 3, rank=4, padding=1).layer(autotune=True)
+    x = torch.randn(2, 16, 8, 8)
+    want = layer(x)  # outside a capture: calibrated, timed
+    layer._drop_code()
+    calibration.forget()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    monkeypatch.setattr(autotune, "time_orders", lambda *a, **k: pytest.fail("timed orders"))
+    monkeypatch.setattr(calibration, "calibrate", lambda *a, **k: pytest.fail("calibrated"))
+    monkeypatch.setattr(calibration, "time_mixing", lambda *a, **k: pytest.fail("timed mixing"))
+    assert calibration.capturing()
+    torch.testing.assert_close(layer(x), want)
+    other = tnspec.formats.tucker2(16, 16, 3, rank=4, padding=1).layer(autotune=True)
+    other(torch.randn(3, 16, 20, 20))  # a shape nothing was measured for: still no timing

@@ -295,7 +295,8 @@ class Layer(nn.Module):
     def _tunes(self) -> bool:
         """``autotune``, which by default (None) is on where calibration measures; never for a
         planner other than ``auto``: the order asked for is the order that runs."""
-        if self.planner != "auto" or self._tuning_spent >= self.autotune_seconds:
+        if self.planner != "auto" or self._tuning_spent >= self.autotune_seconds or \
+                calibration.capturing():  # nothing is timed inside a CUDA graph capture
             return False
         if self.autotune is not None:
             return self.autotune

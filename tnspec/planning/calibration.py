@@ -126,6 +126,13 @@ def measures(device: torch.device | str) -> bool:
     return enabled() and torch.device(device).type in ("cpu", "cuda")
 
 
+def capturing() -> bool:
+    """Whether a CUDA graph is being captured on the current stream: nothing may be timed or
+    synchronized then, so a layer planning inside a capture (a shape it was not warmed up
+    on) takes cached measurements and the cost model instead of raising from inside torch."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 def cost_model(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, *,
                measure_now: bool = True) -> CostModel:
     """The cost model for ``device`` and ``dtype``: calibrated (measured once, then read from
@@ -138,7 +145,7 @@ def cost_model(device: torch.device | str = "cpu", dtype: torch.dtype = torch.fl
         return builtin
     key = device_key(device, dtype)
     if key not in _memory:
-        if not measure_now:
+        if not measure_now or capturing():
             found = _read()[0].get(key)
             return found.model if found is not None else builtin
         _memory[key] = calibrate(device, dtype).model
@@ -285,6 +292,8 @@ def chooser(device: torch.device | str = "cpu",
         what = (f"mixing batch {batch}, groups {step.groups}, {step.inputs} -> {step.outputs} "
                 f"over {'x'.join(map(str, step.spatial))}")
         found = recall(device, dtype, what)
+        if found is None and capturing():
+            return "conv1x1"  # nothing is timed inside a capture; the conv is the default
         if found is None:
             seconds = time_mixing(replace(step, batch=batch), device, dtype, repeats=9)
             # the einsum only when clearly faster (MARGIN): the conv keeps the data contiguous
