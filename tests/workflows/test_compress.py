@@ -371,3 +371,19 @@ def test_a_time_bound_gives_the_best_allocation_fitted_never_an_error(ticking):
     with pytest.raises(tnspec.SpecError, match="below what the smallest candidates need"):
         tnspec.compress(copy.deepcopy(net), 0.001, data=[x], formats=("low_rank",),
                         fit={"max_iter": 20})
+
+
+def test_the_progress_lines_say_about_how_long_is_left(ticking, caplog):
+    """Each layer's progress line gives the time left at the pace so far, never past
+    ``max_seconds``, and the last line none."""
+    import logging
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8))
+    ticking(1.0)
+    with caplog.at_level(logging.INFO, logger="tnspec"):
+        tnspec.compress(copy.deepcopy(net), 0.5, data=[torch.randn(8, 16)],
+                        formats=("low_rank", "tt"), max_seconds=1000, fit={"max_iter": 5})
+    lines = [r.getMessage() for r in caplog.records if "candidate(s) fitted" in r.getMessage()]
+    assert len(lines) == 4 and all(", about " in line and " s left)" in line
+                                   for line in lines[:-1])
+    assert "left" not in lines[-1]

@@ -290,9 +290,8 @@ def compress(model: nn.Module, budget: float = 0.25, formats: Sequence[str] = FO
         options_here.append((cand, new))
         return cand
 
-    # first, every layer's smallest candidate of the first format (a low-rank one is a
-    # truncated SVD: seconds for a whole encoder), so that an allocation within the budget
-    # exists however soon max_seconds ends the fitting
+    # first, every layer's smallest candidate of the first format (seconds for a whole encoder
+    # in low rank): an allocation within the budget exists however soon max_seconds ends
     for (name, module), (_, dense_params, options_here, _, dense_seconds) in \
             zip(layers, choices):
         left = deadline - now()
@@ -301,10 +300,10 @@ def compress(model: nn.Module, budget: float = 0.25, formats: Sequence[str] = FO
                       min(shares), left)
     # then format by format over all layers: under a time budget every layer has the first
     # formats' candidates before any has the last's
-    pruned = 0
-    for fmt in formats:
-        for (name, module), (_, dense_params, options_here, _, dense_seconds) in \
-                zip(layers, choices):
+    pruned, pairs, fitting = 0, len(formats) * len(layers), now()
+    for f, fmt in enumerate(formats):
+        for j, ((name, module), (_, dense_params, options_here, _, dense_seconds)) in \
+                enumerate(zip(layers, choices)):
             count, beaten = 0, 0
             for k, share in enumerate(sorted(shares)):
                 left = deadline - now()
@@ -324,8 +323,12 @@ def compress(model: nn.Module, budget: float = 0.25, formats: Sequence[str] = FO
                 beaten += any(c.format not in ("dense", fmt) and c.share == share and
                               c.error <= cand.error for c, _ in options_here if c is not cand)
                 count += 1
+            done = f * len(layers) + j + 1
+            # at the pace so far (a ring's later fits are often slower), capped by max_seconds
+            ahead = min((now() - fitting) * (pairs - done) / done, max(deadline - now(), 0))
             progress.line(f"{name}: {count} {fmt} candidate(s) fitted "
-                          f"({now() - started:.0f} s so far)")
+                          f"({now() - started:.0f} s so far"
+                          + (f", about {ahead:.0f} s left)" if done < pairs else ")"))
     items = [[(c.params, (s * c.error) ** 2) for c, _ in opts] for _, _, opts, s, _ in choices]
     over_budget = False
     try:
