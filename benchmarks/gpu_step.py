@@ -275,24 +275,35 @@ def block(title: str, variants: list[Variant], modes: list[str], device: torch.d
                 else []
             prepare(v, mode, device, amp)
         time_block(variants, device, rounds)
-        first = None
-        for v in variants:
-            if v.step is None:
-                print(f"| {mode} | {v.label} | failed | | | | {v.failed} |", flush=True)
-                continue
-            step_ms = statistics.median(t for t, _ in v.times) * 1e3
-            host_ms = statistics.median(h for _, h in v.times) * 1e3
-            first = first or step_ms
-            ops = dispatched(v.step) if mode == "eager" else ""
-            if mode == "eager" and orders_run(v.model):
-                v.notes.append(f"orders run: {orders_run(v.model)}")
-            print(f"| {mode} | {v.label} | {step_ms:.2f} | {step_ms / first:.2f} | "
-                  f"{host_ms:.2f} | {ops} | {'; '.join(v.notes)} |", flush=True)
-            if mode == "eager" and device.type == "cuda":
+
+        def counted(v: Variant) -> tuple[str, str]:
+            if mode != "eager":
+                return "", "; ".join(v.notes)
+            if device.type == "cuda":
                 profiled.append((title, v.label, v.step))
+            ran = orders_run(v.model)
+            notes = v.notes + ([f"orders run: {ran}"] if ran else [])
+            return str(dispatched(v.step)), "; ".join(notes)
+        print_rows(mode, variants, counted)
         for v in variants:
             if mode != "eager":
                 v.step = None  # a captured graph holds its memory pool until dropped
+
+
+def print_rows(mode: str, variants: list[Variant],
+               extra: Callable[[Variant], tuple[str, str]] = lambda v: ("", "")) -> None:
+    """A row per variant: the median step and host ms and the ratio to the first row timed;
+    ``extra(variant)`` gives the ops and notes columns."""
+    first = None
+    for v in variants:
+        if v.step is None:
+            print(f"| {mode} | {v.label} | failed | | | | {v.failed} |", flush=True)
+            continue
+        step_ms, host_ms = (statistics.median(column) * 1e3 for column in zip(*v.times))
+        first = first or step_ms
+        ops, notes = extra(v)
+        print(f"| {mode} | {v.label} | {step_ms:.2f} | {step_ms / first:.2f} | "
+              f"{host_ms:.2f} | {ops} | {notes} |", flush=True)
 
 
 def orders_run(model: nn.Module) -> str:
@@ -351,16 +362,7 @@ def graphs_child(args: argparse.Namespace, device: torch.device) -> int:
         print(f"@captured {i}", flush=True)
         live.append(v)
     time_block(live, device, args.rounds)
-    first = None
-    for v in live:
-        if v.step is None:
-            print(f"| graphs | {v.label} | failed | | | | {v.failed} |", flush=True)
-            continue
-        step_ms = statistics.median(t for t, _ in v.times) * 1e3
-        host_ms = statistics.median(h for _, h in v.times) * 1e3
-        first = first or step_ms
-        print(f"| graphs | {v.label} | {step_ms:.2f} | {step_ms / first:.2f} | "
-              f"{host_ms:.2f} | | |", flush=True)
+    print_rows("graphs", live)
     return 0
 
 

@@ -231,6 +231,7 @@ def test_stages_import_only_what_they_need():
     # the workflows' shared floor: plain module-tree work, knowing no workflow
     assert graph["workflows.dense_layers"] <= {"errors"}
     assert graph["workflows.model_tree"] == set()
+    assert graph["workflows.feeding"] <= {"errors"}  # running a model on a batch, nothing more
     assert graph["workflows.stand_ins"] <= {"nn.module"}
     assert graph["workflows.left_alone"] <= {"workflows.dense_layers", "workflows.model_tree"}
     assert graph["workflows.adapted"] <= {"errors", "fit.decompose", "nn.module"}
@@ -252,7 +253,8 @@ def test_stages_import_only_what_they_need():
                                                        "workflows.dense_layers"}
     # conversion: what a model feeds its layers is observed without knowing a format
     assert graph["workflows.convert.observe"] <= {"errors", "fit.moments",
-                                                  "workflows.dense_layers"}
+                                                  "workflows.dense_layers",
+                                                  "workflows.feeding"}
     assert graph["workflows.convert.activations"] <= {"workflows.dense_layers"}
     assert "__init__" not in set().union(*(d for m, d in graph.items() if m != "__main__"))
 

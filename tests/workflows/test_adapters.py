@@ -190,16 +190,17 @@ def test_loading_an_adapter_over_one_of_the_same_name_is_refused_and_changes_not
     model, _ = tnspec.adapt(nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 2)), "tt",
                             rank=2, include="0", modules_to_save="2")
     state, config = tnspec.adapter_state_dict(model), tnspec.adapter_config(model)
-    before = {n: t.clone() for n, t in model.state_dict().items()}
+    before = snapshot(model)
     with pytest.raises(tnspec.SpecError, match="layer '0' already holds an adapter named "
                        "'default': loading would replace it") as caught:
         tnspec.load_adapters(model, state, config)
     assert "tnspec.hotswap" in str(caught.value)
-    assert all(torch.equal(model.state_dict()[n], t) for n, t in before.items())
+    assert unchanged(before, model)
     config["layers"] = {}
     with pytest.raises(tnspec.SpecError, match="layer '2' already holds an adapter named "
                        "'default'"):
         tnspec.load_adapters(model, {n: t for n, t in state.items() if ".copies." in n}, config)
+    assert unchanged(before, model)
 
 
 def test_named_adapters_switch_disable_and_merge_by_name():
@@ -417,3 +418,23 @@ def test_the_report_names_adapted_layers_a_sample_forward_never_reaches():
         ("pooler",)
     assert tnspec.adapt(Net(), "cp", rank=2, sample=(x, 2.0))[1].unreached == ("pooler",)
     assert tnspec.adapt(Net(), "cp", rank=2)[1].unreached == ()
+
+
+def test_a_sample_the_model_does_not_take_raises_with_the_model_untouched():
+    """``adapt(..., sample=...)`` runs the sample on the model before changing anything: a
+    sample of the wrong shape, or a tuple the forward does not take, is a SpecError quoting
+    the model's error, and the model is exactly as it was (structure, values,
+    ``requires_grad``, ties)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4), nn.Linear(4, 2))
+    model[2].weight = model[0].weight  # a tie, which the snapshot holds too
+    model[3].weight.requires_grad_(False)
+    before = snapshot(model)
+    with pytest.raises(tnspec.SpecError, match=r"sample= does not run through the model: "
+                       r"RuntimeError: mat1 and mat2 shapes cannot be multiplied"):
+        tnspec.adapt(model, "tt", rank=2, sample=torch.randn(3, 5))
+    assert unchanged(before, model)
+    with pytest.raises(tnspec.SpecError, match=r"does not take a batch of sample= as "
+                       r"model\(\*batch\)"):
+        tnspec.adapt(model, "tt", rank=2, sample=(torch.randn(3, 4), torch.randn(3)))
+    assert unchanged(before, model)

@@ -21,13 +21,13 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-import torch
 from torch import nn
 
 from ...errors import SpecError
 from ...nn import formats
 from ...nn.module import Layer
 from ..adapted import Adapted, Saved, frozen_copy, inside_adapted, set_adapter
+from ..feeding import call, evaluated
 from ..dense_layers import check_forward, is_dense, kind_names
 from ..left_alone import read_directly
 from ..model_tree import Selector, first_skipped, parameter_holders, selected, set_submodule
@@ -137,8 +137,9 @@ def adapt(model: nn.Module, fmt: Fmt = "low_rank", *, rank: int | float | None =
     is left out, and the report says so.
 
     ``sample``: a batch the model takes (a tensor, a tuple of positional arguments or a dict
-    of keyword arguments, as a tokenizer gives); the adapted model runs it once, in eval mode
-    and without gradients, and the report names the adapted layers the forward never called
+    of keyword arguments, as a tokenizer gives); the model runs it once before anything
+    changes, in eval mode and without gradients, and the report names the adapted layers the
+    forward never called
     (``unreached``: a ``pooler`` of a model whose pooled output the task does not use), whose
     adapters would not train.
 
@@ -172,6 +173,7 @@ def adapt(model: nn.Module, fmt: Fmt = "low_rank", *, rank: int | float | None =
     if init not in INITS:
         raise SpecError(f"unknown init {init!r}", hint=f"choose one of {', '.join(INITS)}")
     to_save = _to_save(model, modules_to_save, name)
+    called = None if sample is None else _called(model, sample)
     adapted, skipped, wrapped = [], [], {}
     left_alone = read_directly(model)
     holders = parameter_holders(model)
@@ -243,7 +245,8 @@ def adapt(model: nn.Module, fmt: Fmt = "low_rank", *, rank: int | float | None =
     for p in result.parameters():  # as get_peft_model: the new adapter alone trains
         p.requires_grad_(False)
     set_adapter(result, name)
-    unreached = () if sample is None else _unreached(result, [a.name for a in adapted], sample)
+    unreached = () if called is None else \
+        tuple(a.name for a in adapted if a.name and not called[a.name])
     params = list(result.parameters())
     return result, AdaptReport(name, fmt if isinstance(fmt, str) and fmt in formats.NAMES
                                else "spec", tuple(adapted), tuple(skipped),
@@ -253,29 +256,29 @@ def adapt(model: nn.Module, fmt: Fmt = "low_rank", *, rank: int | float | None =
                                      for path, m in to_save), unreached)
 
 
-def _unreached(model: nn.Module, paths: list[str], sample: Any) -> tuple[str, ...]:
-    """The adapted layers (by path) that a forward of ``sample`` never calls; the model runs
-    in eval mode (no batch statistics updated) without gradients, and is left as it was."""
-    called: set[str] = set()
-    hooks = [model.get_submodule(path).register_forward_hook(
-        lambda module, args, out, path=path: called.add(path)) for path in paths if path]
-    modes = {m: m.training for m in model.modules()}
+
+def _called(model: nn.Module, sample: Any) -> dict[str, bool]:
+    """Per module name: whether a forward of ``sample`` calls it (run on the model as given,
+    before ``adapt`` changes anything, so that a sample the model does not take raises with
+    the model untouched)."""
+    seen: set[int] = set()
+    modules = dict(model.named_modules(remove_duplicate=False))
+    hooks = [m.register_forward_hook(lambda m, args, out: seen.add(id(m)))
+             for m in set(modules.values())]
     try:
-        model.eval()
-        with torch.no_grad():
-            if isinstance(sample, Mapping):
-                model(**sample)
-            elif isinstance(sample, tuple):
-                model(*sample)
-            else:
-                model(sample)
+        with evaluated(model):
+            call(model, sample, given="sample=")
+    except SpecError:
+        raise
+    except Exception as exc:  # noqa: BLE001 (the model's own error, quoted)
+        raise SpecError(f"sample= does not run through the model: {type(exc).__name__}: "
+                        f"{str(exc).splitlines()[0] if str(exc) else ''}",
+                        hint="give a batch as the model takes it: a tensor, a tuple of "
+                        "arguments or a dict of keyword arguments") from None
     finally:
         for hook in hooks:
             hook.remove()
-        for m, training in modes.items():
-            m.training = training
-    return tuple(path for path in paths if path and path not in called)
-
+    return {name: id(m) in seen for name, m in modules.items()}
 
 def _to_save(model: nn.Module, selector: Selector, name: str) -> list[tuple[str, nn.Module]]:
     """The modules ``modules_to_save`` selects (the outermost of nested matches), checked:

@@ -37,6 +37,7 @@ from ...nn import formats as format_names
 from ...nn.module import Layer
 from ..adapted import adapted_parts
 from ..dense_layers import check_forward, is_dense, never_replaced, weight_of
+from ..feeding import Runner
 from ..left_alone import read_directly, tied
 from ..model_tree import Selector, first_skipped, selected, set_submodule
 from . import observe
@@ -164,7 +165,7 @@ def compress(model: nn.Module, budget: float = 0.25, formats: Sequence[str] = FO
              data: torch.Tensor | Iterable[Any] | None = None, include: Selector = None,
              exclude: Selector = None, latency: bool = False, shares: Sequence[float] = SHARES,
              fit: Mapping[str, Any] | None = None, max_batches: int = 8,
-             run: observe.Runner | None = None, max_seconds: float | None = None,
+             run: Runner | None = None, max_seconds: float | None = None,
              prune: bool = True, timer: Timer | None = None) -> tuple[nn.Module, CompressReport]:
     """Replace, in place, the selected ``nn.Linear`` / ``nn.Conv1d/2d/3d`` layers of ``model``
     (``include``/``exclude`` as :func:`tnspec.tensorize`) by tnspec layers of one of
@@ -214,7 +215,7 @@ def compress(model: nn.Module, budget: float = 0.25, formats: Sequence[str] = FO
     options = {**FIT, **dict(fit or {})}
     other = never_replaced(model)
     left_alone = {**read_directly(model), **tied(model), **adapted_parts(model)}
-    layers, skipped, watched = [], [], []
+    layers, skipped, called = [], [], {}
     for name, module in model.named_modules():
         if not is_dense(module) or isinstance(module, Layer) or \
                 not selected(name, module, include, exclude):
@@ -227,7 +228,7 @@ def compress(model: nn.Module, budget: float = 0.25, formats: Sequence[str] = FO
             skipped.append((name, exc.message))
             continue
         layers.append((name, plain))
-        watched.append((name, module))  # what the model calls: where its inputs are seen
+        called[name] = module  # what the model calls: where its inputs are seen
     if not layers:
         why = f": {first_skipped(skipped)}" if skipped else ""
         raise SpecError(f"no layer to compress{why}",
@@ -244,7 +245,6 @@ def compress(model: nn.Module, budget: float = 0.25, formats: Sequence[str] = FO
             raise SpecError("data= holds no batch", hint="give a tensor, or an iterable of "
                             "batches with at least one")
     progress = Progress("compress")
-    called = dict(watched)
     seen = observe.inputs(model, layers, data, max_batches, run, called) \
         if data is not None else {}
     sensitivity = observe.sensitivities(model, layers, data, run, called=called) \

@@ -14,10 +14,7 @@ from torch import nn
 from ...errors import SpecError
 from ...fit import moments
 from ..dense_layers import is_linear
-
-#: runs the model on one batch: ``run(model, batch)``
-Runner = Callable[[nn.Module, Any], Any]
-
+from ..feeding import Runner, call, evaluated
 
 def batches(data: Any, max_batches: int, run: Runner | None = None) -> list[Any]:
     """At most ``max_batches`` batches of ``data`` (a tensor is one batch), each checked to be
@@ -35,23 +32,6 @@ def batches(data: Any, max_batches: int, run: Runner | None = None) -> list[Any]
         if len(out) >= max_batches:
             break
     return out
-
-
-def call(model: nn.Module, batch: Any, run: Runner | None = None) -> Any:
-    """The model on one batch, as its users feed it: ``run(model, batch)`` where given, else
-    ``model(x)`` for a tensor, ``model(*batch)`` for a tuple, ``model(**batch)`` for a dict."""
-    if run is not None:
-        return run(model, batch)
-    if isinstance(batch, Mapping):
-        return model(**batch)
-    if isinstance(batch, (tuple, list)):
-        try:
-            return model(*batch)
-        except TypeError as exc:  # most likely an (inputs, labels) pair
-            raise SpecError(f"the model does not take a batch of data= as model(*batch): "
-                            f"{exc}", hint="for (inputs, labels) batches pass run=lambda model, "
-                            "batch: model(batch[0])") from None
-    return model(batch)
 
 
 def inputs(model: nn.Module, layers: list[tuple[str, nn.Module]], data: list[Any],
@@ -98,17 +78,13 @@ def _padding(module: nn.Module) -> tuple[int, ...]:
 def _run(model: nn.Module, layers: list[tuple[str, nn.Module]], data: list[Any],
          make_hook: Callable, run: Runner | None, called: Mapping[str, nn.Module]) -> None:
     handles = [called.get(n, m).register_forward_pre_hook(make_hook(n, m)) for n, m in layers]
-    training = {m: m.training for m in model.modules()}
     try:
-        model.eval()
-        with torch.no_grad():
+        with evaluated(model):
             for batch in data:
                 call(model, batch, run)
     finally:
         for h in handles:
             h.remove()
-        for m, flag in training.items():
-            m.train(flag)
 
 
 def sensitivities(model: nn.Module, layers: list[tuple[str, nn.Module]], data: list[Any],
@@ -118,28 +94,21 @@ def sensitivities(model: nn.Module, layers: list[tuple[str, nn.Module]], data: l
     noise of ``noise`` times the output's rms (own generator), on the first batch
     (``called`` as for :func:`inputs`)."""
     x = data[0]
-    training = {m: m.training for m in model.modules()}
     out = {}
-    try:
-        model.eval()
-        with torch.no_grad():
-            reference = _flat(call(model, x, run))
-            for name, module in layers:
-                gen = torch.Generator().manual_seed(0)
+    with evaluated(model):
+        reference = _flat(call(model, x, run))
+        for name, module in layers:
+            gen = torch.Generator().manual_seed(0)
 
-                def perturb(_: nn.Module, args: tuple, y: torch.Tensor) -> torch.Tensor:
-                    rms = y.pow(2).mean().sqrt()
-                    return y + noise * rms * torch.randn(y.shape, generator=gen).to(y)
-                handle = (called or {}).get(name, module).register_forward_hook(perturb)
-                try:
-                    moved = _flat(call(model, x, run))
-                finally:
-                    handle.remove()
-                out[name] = float((moved - reference).norm() /
-                                  (noise * reference.norm() + 1e-30))
-    finally:
-        for m, flag in training.items():
-            m.train(flag)
+            def perturb(_: nn.Module, args: tuple, y: torch.Tensor) -> torch.Tensor:
+                rms = y.pow(2).mean().sqrt()
+                return y + noise * rms * torch.randn(y.shape, generator=gen).to(y)
+            handle = (called or {}).get(name, module).register_forward_hook(perturb)
+            try:
+                moved = _flat(call(model, x, run))
+            finally:
+                handle.remove()
+            out[name] = float((moved - reference).norm() / (noise * reference.norm() + 1e-30))
     return out
 
 
