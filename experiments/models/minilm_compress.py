@@ -1,5 +1,6 @@
 """all-MiniLM-L6-v2's encoder compressed to 75%, 50% and 25% of its linear layers' parameters:
-``tnspec.compress`` with data against per-layer truncated SVD (weight-only), activation-aware SVD
+``tnspec.compress`` with data (as it is, ``sequential=True``, and sequential with a healing
+pass of 200 steps) against per-layer truncated SVD (weight-only), activation-aware SVD
 (SVD-LLM / ASVD: the SVD of ``W`` whitened by the inputs' second moment) and TensorLy-Torch's
 factorized (Tucker) linear layers fitted from the weights, at equal parameters.
 
@@ -7,7 +8,7 @@ Measured on Rotten Tomatoes snippets (fresh vs rotten): the accuracy of a logist
 probe on mean-pooled sentence embeddings (fixed split, the probe refitted per model) and the
 cosine of each test embedding to the original model's.
 
-    python -m experiments.models.minilm_compress            # ~35 min on 2 cores
+    python -m experiments.models.minilm_compress            # ~60 min on 2 cores
     python -m experiments.models.minilm_compress --smoke    # a tiny version (the tests run it)
 """
 
@@ -180,23 +181,31 @@ def main(argv: list[str] | None = None) -> int:
     rows = [("original", "-", f"{dense:,}", base_acc, 1.0, "-")]
     moments = second_moments(model, batches, prefix)
     fits = []
+    small = {"formats": ("low_rank", "tt"), "shares": (0.25, 0.5)} if args.smoke else {}
     for budget in budgets:
         methods = {
             "truncated SVD (weight-only)": lambda: low_rank(model, budget, None, prefix),
             "activation-aware SVD": lambda: low_rank(model, budget, moments, prefix),
             "TensorLy-Torch Tucker (weights)": lambda: tensorly_tucker(model, budget, prefix),
             "tnspec.compress with data": lambda: tnspec.compress(
+                copy.deepcopy(model), budget, data=batches, include=prefix + "*", **small),
+            "tnspec.compress, sequential": lambda: tnspec.compress(
                 copy.deepcopy(model), budget, data=batches, include=prefix + "*",
-                **({"formats": ("low_rank", "tt"), "shares": (0.25, 0.5)} if args.smoke
-                   else {}))}
+                sequential=True, **small),
+            "tnspec.compress, sequential, healed (200 steps)": lambda: tnspec.compress(
+                copy.deepcopy(model), budget, data=batches, include=prefix + "*",
+                sequential=True, heal=2 if args.smoke else 200, **small)}
         for method, make in methods.items():
             t = time.time()
             made = make()
             seconds = time.time() - t
             if isinstance(made, tuple):
                 made, report = made
-                fits.append(f"budget {budget:.0%}: {report.seconds:.0f} s; formats chosen: "
-                            + ", ".join(f"{f} x {n}" for f, n in sorted(_counts(report))))
+                fits.append(f"budget {budget:.0%}, {method}: {report.seconds:.0f} s; formats "
+                            "chosen: "
+                            + ", ".join(f"{f} x {n}" for f, n in sorted(_counts(report)))
+                            + "".join(f"; {line.strip()}" for line in str(report).splitlines()
+                                      if line.strip().startswith(("sequential:", "healed:"))))
             acc, cos, params = measure(made)
             rows.append((method, f"{budget:.0%}", f"{params:,} ({params / dense:.0%})", acc,
                          cos, f"{seconds:.0f}"))

@@ -142,10 +142,11 @@ class Workflows(RuleBasedStateMachine):
         self.attempt(lambda m: tnspec.tensorize(m, fmt, rank=0.5,
                                                 weights="fit" if fit else "init")[0], fit)
 
-    @rule()
-    def compress(self) -> None:
+    @rule(sequential=st.booleans(), heal=st.sampled_from([0, 3]))
+    def compress(self, sequential: bool, heal: int) -> None:
         self.attempt(lambda m: tnspec.compress(m, 0.6, ("cp",), shares=(0.3,), fit=FAST_FIT,
-                                               data=self.x)[0], False)
+                                               data=self.x, sequential=sequential,
+                                               heal=heal)[0], False)
 
     @rule()
     def merge(self) -> None:

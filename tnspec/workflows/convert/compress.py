@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
@@ -40,8 +39,11 @@ from ..dense_layers import check_forward, is_dense, never_replaced, weight_of
 from ..feeding import Runner
 from ..left_alone import read_directly, tied
 from ..model_tree import Selector, first_skipped, selected, set_submodule
+from . import heal as healing
 from . import observe
+from . import sequential as sequential_fit
 from .allocate import allocate
+from .report import Candidate, Choice, CompressReport
 from .tensorize import _keep_state, _replacement
 
 FORMATS = ("low_rank", "cp", "tucker2", "tt", "tr")  # the cheaper fits first
@@ -51,122 +53,13 @@ FIT = {"starts": 1, "hops": 0, "max_iter": 30, "tol": 1e-4, "max_seconds": 10.0,
 Timer = Callable[[nn.Module, tuple[int, ...]], float]
 
 
-@dataclass(frozen=True)
-class Candidate:
-    """One fitted option for a layer (``format`` "dense": the layer as it is)."""
-
-    format: str
-    share: float
-    params: int
-    error: float
-    seconds: float | None = None  # forward and backward, where latency was measured
-
-
-@dataclass(frozen=True)
-class Choice:
-    """What ``compress`` chose for one layer, and the options it had."""
-
-    name: str
-    dense_params: int
-    chosen: Candidate
-    candidates: tuple[Candidate, ...]
-    sensitivity: float
-    dense_seconds: float | None = None
-
-
-@dataclass(frozen=True)
-class CompressReport:
-    """The choice per layer, the skipped layers, the totals and the objective."""
-
-    budget: float
-    choices: tuple[Choice, ...]
-    skipped: tuple[tuple[str, str], ...]
-    data: bool
-    seconds: float
-    extra: Mapping[str, Any] = field(default_factory=dict)
-    unfitted: int = 0  # candidates max_seconds left no time for
-    pruned: int = 0  # candidates of formats beaten at their two smallest shares, not fitted
-    other: tuple[tuple[str, int, str], ...] = ()  # (kind, count, why) of those never replaced
-    over_budget: bool = False  # max_seconds ran out before candidates within budget were fitted
-
-    @property
-    def params_before(self) -> int:
-        """The parameters of the layers considered, as they were (dense)."""
-        return sum(c.dense_params for c in self.choices)
-
-    @property
-    def params_after(self) -> int:
-        """Their parameters after ``compress`` (at most ``budget * params_before``)."""
-        return sum(c.chosen.params for c in self.choices)
-
-    @property
-    def predicted_error(self) -> float:
-        """``sqrt(sum_l s_l^2 e_l^2)``: the model's relative output error the allocation
-        predicts (layers' errors independent)."""
-        return math.sqrt(sum((c.sensitivity * c.chosen.error) ** 2 for c in self.choices))
-
-    def __str__(self) -> str:
-        kind = "output" if self.data else "weight"
-        width = max([24, *(len(c.name) for c in self.choices)])
-        lines = [f"compress: {len(self.choices)} layer(s) at budget {self.budget:.0%}: "
-                 f"{self.params_before:,} -> {self.params_after:,} parameters "
-                 f"({self.params_after / max(self.params_before, 1):.1%}); predicted model "
-                 f"error {self.predicted_error:.4f}; {self.seconds:.0f} s",
-                 f"  {'layer':<{width}} {'chosen':<14} {'params':>20} {kind + ' error':>13} "
-                 f"{'sensitivity':>11} {'time':>6}"]
-        for c in self.choices:
-            chosen = c.chosen.format + ("" if c.chosen.format == "dense"
-                                        else f" {c.chosen.share:.0%}")
-            ratio = "" if c.chosen.seconds is None or not c.dense_seconds else \
-                f"{c.chosen.seconds / c.dense_seconds:.2f}x"
-            lines.append(f"  {c.name:<{width}} {chosen:<14} "
-                         f"{f'{c.dense_params:,} -> {c.chosen.params:,}':>20} "
-                         f"{c.chosen.error:>13.4f} {c.sensitivity:>11.3f} {ratio:>6}")
-        for name, why in self.skipped:
-            lines.append(f"  skipped {name}: {why}")
-        if self.pruned:
-            lines.append(f"  {self.pruned} candidate(s) not fitted: their format was beaten at "
-                         "its two smallest shares (prune=False fits them)")
-        if self.unfitted:
-            lines.append(f"  {self.unfitted} candidate(s) not fitted: max_seconds was spent")
-        if self.over_budget:
-            lines.append("  over the budget: max_seconds was spent before every layer had a "
-                         "candidate small enough; each layer holds its smallest fitted one "
-                         "(a larger max_seconds reaches the budget)")
-        for kind, n, why in self.other:
-            lines.append(f"  left alone {n} x {kind}: {why}")
-        return "\n".join(lines)
-
-    def plot(self, path: str | None = None) -> Any:
-        """Per layer, the candidates' error against their parameters (the Pareto front) and the
-        choice; saved to ``path`` when given. Needs matplotlib. Returns the figure."""
-        import matplotlib.pyplot as plt
-        n = len(self.choices)
-        cols = min(n, 4)
-        fig, axes = plt.subplots((n + cols - 1) // cols, cols, figsize=(3.2 * cols,
-                                 2.6 * ((n + cols - 1) // cols)), squeeze=False)
-        for ax, c in zip(axes.flat, self.choices):
-            for fmt in sorted({k.format for k in c.candidates} - {"dense"}):
-                pts = [(k.params, k.error) for k in c.candidates if k.format == fmt]
-                ax.plot(*zip(*sorted(pts)), marker=".", label=fmt)
-            ax.plot([c.chosen.params], [c.chosen.error], "k*", markersize=12, label="chosen")
-            ax.axvline(c.dense_params, color="grey", ls=":")
-            ax.set(title=c.name, xscale="log", xlabel="parameters", ylabel="error")
-        for ax in list(axes.flat)[n:]:
-            ax.axis("off")
-        axes.flat[0].legend(fontsize=6)
-        fig.tight_layout()
-        if path:
-            fig.savefig(path, dpi=120)
-        return fig
-
-
 def compress(model: nn.Module, budget: float = 0.25, formats: Sequence[str] = FORMATS, *,
              data: torch.Tensor | Iterable[Any] | None = None, include: Selector = None,
              exclude: Selector = None, latency: bool = False, shares: Sequence[float] = SHARES,
              fit: Mapping[str, Any] | None = None, max_batches: int = 8,
              run: Runner | None = None, max_seconds: float | None = None,
-             prune: bool = True, timer: Timer | None = None) -> tuple[nn.Module, CompressReport]:
+             prune: bool = True, timer: Timer | None = None, sequential: bool = False,
+             heal: int = 0, heal_lr: float = 1e-4) -> tuple[nn.Module, CompressReport]:
     """Replace, in place, the selected ``nn.Linear`` / ``nn.Conv1d/2d/3d`` layers of ``model``
     (``include``/``exclude`` as :func:`tnspec.tensorize`) by tnspec layers of one of
     ``formats`` at one of ``shares`` of their parameters, or keep them dense, so that the
@@ -191,9 +84,18 @@ def compress(model: nn.Module, budget: float = 0.25, formats: Sequence[str] = FO
     fitted at that layer's larger shares: on MiniLM's linear layers the order of the formats
     held at every share (low-rank first), and the fits it saves are the slowest (tensor rings).
 
+    ``sequential=True`` (needs ``data``): the sensitivities are measured again on the model as
+    allocated and the allocation redone with them; then each replaced layer is fitted again,
+    in the order the model calls them, to give the original layer's outputs from the inputs
+    the compressed layers before it produce (``tnspec.workflows.convert.sequential``).
+    ``heal=steps`` (needs ``data``): then at most that many Adam steps (learning rate
+    ``heal_lr``) train the new layers toward the original model's outputs on ``data``
+    (``tnspec.workflows.convert.heal``), kept only where they lower that distance. Under
+    ``max_seconds`` each of the two takes up to a fifth of the time, the fits the rest.
+
     Returns ``(model, report)``; ``print(report)`` shows a row per layer, ``report.plot()``
-    the candidates. Nothing in the model changes until every fit is done: an error or Ctrl-C
-    before leaves it as it was."""
+    the candidates. Nothing in the model changes until every fit is done, and an error or
+    Ctrl-C at any point, the refits and healing included, leaves the model as it was."""
     started = now()
     if not 0 < budget <= 1:
         raise SpecError(f"budget={budget!r} is a share of the dense parameters",
@@ -206,8 +108,13 @@ def compress(model: nn.Module, budget: float = 0.25, formats: Sequence[str] = FO
         raise SpecError(f"formats={tuple(formats)!r}" +
                         (f": unknown format {unknown[0]!r}" if unknown else " is empty"),
                         hint=f"names from {', '.join(format_names.NAMES)}")
-    if latency and data is None:
-        raise SpecError("latency=True needs data= (the input shapes to time)")
+    for flag, given in (("latency=True", latency), ("sequential=True", sequential),
+                        (f"heal={heal!r}", heal)):
+        if given and data is None:
+            raise SpecError(f"{flag} needs data= (what the model is fed)")
+    if isinstance(heal, bool) or not isinstance(heal, int) or heal < 0:
+        raise SpecError(f"heal={heal!r} is a number of training steps",
+                        hint="e.g. heal=200, or 0 for none")
     unknown = sorted(set(fit or {}) - set(FIT))
     if unknown:
         raise SpecError(f"fit= has no option {unknown[0]!r}",
@@ -249,9 +156,13 @@ def compress(model: nn.Module, budget: float = 0.25, formats: Sequence[str] = FO
         if data is not None else {}
     sensitivity = observe.sensitivities(model, layers, data, run, called=called) \
         if data is not None else {}
+    targets = observe.outputs(model, data, run) if heal else []
     progress.line(f"{len(layers)} layer(s) to fit"
                   + (f", inputs recorded ({now() - started:.0f} s)" if data else ""))
-    deadline = math.inf if max_seconds is None else started + max_seconds
+    end = math.inf if max_seconds is None else started + max_seconds
+    # the refits and the healing pass each take up to a fifth of max_seconds
+    deadline = end - (0.2 * bool(sequential) + 0.2 * bool(heal)) * (max_seconds or 0)
+    clock = _Clock(started)
     choices, unfitted = [], 0
     for name, module in layers:
         dense_params = sum(p.numel() for p in module.parameters())
@@ -294,19 +205,19 @@ def compress(model: nn.Module, budget: float = 0.25, formats: Sequence[str] = FO
     # in low rank): an allocation within the budget exists however soon max_seconds ends
     for (name, module), (_, dense_params, options_here, _, dense_seconds) in \
             zip(layers, choices):
-        left = deadline - now()
+        left = clock.left(deadline)
         if left > 0:
             candidate(name, module, options_here, dense_params, dense_seconds, formats[0],
                       min(shares), left)
     # then format by format over all layers: under a time budget every layer has the first
     # formats' candidates before any has the last's
-    pruned, pairs, fitting = 0, len(formats) * len(layers), now()
+    pruned, pairs, fitting = 0, len(formats) * len(layers), clock.read
     for f, fmt in enumerate(formats):
         for j, ((name, module), (_, dense_params, options_here, _, dense_seconds)) in \
                 enumerate(zip(layers, choices)):
             count, beaten = 0, 0
             for k, share in enumerate(sorted(shares)):
-                left = deadline - now()
+                left = clock.left(deadline)
                 if left <= 0:
                     unfitted += 1
                     continue
@@ -325,32 +236,63 @@ def compress(model: nn.Module, budget: float = 0.25, formats: Sequence[str] = FO
                 count += 1
             done = f * len(layers) + j + 1
             # at the pace so far (a ring's later fits are often slower), capped by max_seconds
-            ahead = min((now() - fitting) * (pairs - done) / done, max(deadline - now(), 0))
+            clock.left(deadline)  # read only while there is time left
+            at = clock.read
+            ahead = min((at - fitting) * (pairs - done) / done, max(deadline - at, 0))
             progress.line(f"{name}: {count} {fmt} candidate(s) fitted "
-                          f"({now() - started:.0f} s so far"
+                          f"({at - started:.0f} s so far"
                           + (f", about {ahead:.0f} s left)" if done < pairs else ")"))
-    items = [[(c.params, (s * c.error) ** 2) for c, _ in opts] for _, _, opts, s, _ in choices]
-    over_budget = False
+
+    def allocated(sensitivities: Mapping[str, float] | None) -> tuple[list[int], bool]:
+        """The picks per layer, and whether they are over the budget."""
+        items = [[(c.params, ((sensitivities or {}).get(name, s) * c.error) ** 2)
+                  for c, _ in opts] for name, _, opts, s, _ in choices]
+        try:
+            return allocate(items, budget), False
+        except SpecError:
+            if max_seconds is None or unfitted == 0:
+                raise  # the budget is below what the formats can do, not what time allowed
+            # bounded by time: the smallest fitted candidate of each layer, over the budget
+            return [min(range(len(layer)), key=lambda k: layer[k][0]) for layer in items], True
+
+    def chosen(picks: list[int]) -> dict[str, nn.Module]:
+        return {name: opts[k][1] for (name, _, opts, _, _), k in zip(choices, picks)
+                if opts[k][1] is not None}
+
+    picks, over_budget = allocated(None)
+    new = chosen(picks)
+    _apply(model, new)
+    refits, healed = (), None
     try:
-        picks = allocate(items, budget)
-    except SpecError:
-        if max_seconds is None or unfitted == 0:
-            raise  # the budget is below what the formats can do, not what time allowed
-        # bounded by time: the smallest fitted candidate of each layer, over the budget
-        picks = [min(range(len(layer)), key=lambda k: layer[k][0]) for layer in items]
-        over_budget = True
-    report_rows, chosen_layers = [], {}
-    for (name, dense_params, opts, s, dense_seconds), k in zip(choices, picks):
-        cand, new = opts[k]
-        if new is not None:
-            chosen_layers[name] = new
-        report_rows.append(Choice(name, dense_params, cand, tuple(c for c, _ in opts), s,
-                                  dense_seconds))
-    _apply(model, chosen_layers)
+        if sequential:
+            again = observe.sensitivities(model, layers, data, run,
+                                          called={**called, **new})
+            picks, over_budget = allocated(again)
+            _swap(model, {**called, **chosen(picks)}, new)
+            new = chosen(picks)
+            for i, (name, dense_params, opts, _, seconds) in enumerate(choices):
+                choices[i] = (name, dense_params, opts, again[name], seconds)
+            refits = tuple(sequential_fit.refit(
+                model, list(seen), dict(layers), called, new, data, run, options,
+                lambda: clock.left(end - 0.2 * bool(heal) * (max_seconds or 0)),
+                lambda name, a, b: progress.line(f"{name}: refitted on the compressed "
+                                                 f"model's inputs, error {a:.4f} -> {b:.4f}")))
+        if heal:
+            healed = healing.heal(model, list(new.values()), data, targets, run, heal,
+                                  heal_lr, lambda: clock.left(end))
+            progress.line(f"healed: {healed.steps} step(s), distance to the original "
+                          f"{healed.before:.4g} -> {healed.after:.4g}")
+    except BaseException:
+        _swap(model, called, new)
+        raise
+    report_rows = [Choice(name, dense_params, opts[k][0], tuple(c for c, _ in opts), s,
+                          dense_seconds)
+                   for (name, dense_params, opts, s, dense_seconds), k in zip(choices, picks)]
     progress.close()
     return model, CompressReport(budget, tuple(report_rows), tuple(skipped), data is not None,
                                  now() - started, unfitted=unfitted, other=other,
-                                 pruned=pruned, over_budget=over_budget)
+                                 pruned=pruned, over_budget=over_budget, refits=refits,
+                                 healed=healed)
 
 
 def _fitted(module: nn.Module, new: Layer, fmt: str, share: float, metric: torch.Tensor | None,
@@ -379,6 +321,32 @@ def _apply(model: nn.Module, chosen: Mapping[str, nn.Module]) -> None:
         for name, module in old.items():
             set_submodule(model, name, module)
         raise
+
+
+class _Clock:
+    """The jobs' clock, read for the time left before a limit, and no more once it is past:
+    under ``max_seconds`` the steps after the limit only wrap up."""
+
+    def __init__(self, started: float) -> None:
+        self.read = started  # the last reading
+        self.past: set[float] = set()
+
+    def left(self, limit: float) -> float:
+        """Seconds until ``limit`` (0 once it was found past)."""
+        if limit in self.past:
+            return 0.0
+        self.read = now()
+        if limit - self.read <= 0:
+            self.past.add(limit)
+        return max(limit - self.read, 0.0)
+
+
+def _swap(model: nn.Module, wanted: Mapping[str, nn.Module], now_set: Mapping[str, nn.Module]
+          ) -> None:
+    """Set ``wanted[name]`` for every layer of ``now_set`` (and of ``wanted``) that differs."""
+    for name in {*now_set, *wanted}:
+        if name in wanted and model.get_submodule(name) is not wanted[name]:
+            set_submodule(model, name, wanted[name])
 
 
 def _timed(module: nn.Module, shape: tuple[int, ...] | None, repeats: int = 7) -> float:

@@ -38,7 +38,8 @@ def inputs(model: nn.Module, layers: list[tuple[str, nn.Module]], data: list[Any
            max_batches: int, run: Runner | None = None,
            called: Mapping[str, nn.Module] | None = None
            ) -> dict[str, tuple[tuple[int, ...], torch.Tensor]]:
-    """``{layer: (an input shape it saw, the metric factor of its inputs)}``. ``called``: the
+    """``{layer: (an input shape it saw, the metric factor of its inputs)}``, in the order
+    the model first calls them (layers it never reaches left out). ``called``: the
     module the model calls for a layer where it is not the layer itself (a conv subclass
     padding in its forward, whose plain conv is the layer)."""
     rows: dict[str, list[torch.Tensor]] = {name: [] for name, _ in layers}
@@ -51,21 +52,26 @@ def inputs(model: nn.Module, layers: list[tuple[str, nn.Module]], data: list[Any
             x = args[0].detach()
             shapes.setdefault(name, tuple(x.shape))
             keep = max(moments.MAX_ROWS // max_batches, 1)
-            seed = len(rows[name])  # each batch its own subset
-            if is_linear(module):
-                r = x.reshape(-1, x.shape[-1])
-                if r.shape[0] > keep:
-                    r = r[moments.subset(r.shape[0], keep, seed).to(r.device)]
-            else:  # sampled before any patch is copied
-                x = x if x.dim() == len(module.kernel_size) + 2 else x.unsqueeze(0)
-                r = moments.patches(x, module.kernel_size, module.stride, _padding(module),
-                                    module.dilation, keep, seed)
-            rows[name].append(r.double())
+            rows[name].append(sampled(module, x, keep, len(rows[name])).double())
         return record
     _run(model, layers, data, hook, run, called or {})
-    return {name: (shapes[name], moments.factor(torch.cat(rows[name]),
-                                                getattr(module, "groups", 1)))
-            for name, module in layers if rows[name]}
+    found = dict(layers)
+    return {name: (shape, moments.factor(torch.cat(rows[name]),
+                                         getattr(found[name], "groups", 1)))
+            for name, shape in shapes.items() if rows[name]}  # in the order they are called
+
+
+def sampled(module: nn.Module, x: torch.Tensor, keep: int, seed: int) -> torch.Tensor:
+    """``(rows, P)``: what the dense ``module`` reads from its input ``x`` (a linear layer's
+    rows, a conv's patches), at most ``keep`` of them: a subset drawn by ``seed`` (the same
+    rows for the same shape and seed)."""
+    if is_linear(module):
+        r = x.reshape(-1, x.shape[-1])
+        return r[moments.subset(r.shape[0], keep, seed).to(r.device)] if r.shape[0] > keep \
+            else r
+    x = x if x.dim() == len(module.kernel_size) + 2 else x.unsqueeze(0)
+    return moments.patches(x, module.kernel_size, module.stride, _padding(module),
+                           module.dilation, keep, seed)  # sampled before any patch is copied
 
 
 def _padding(module: nn.Module) -> tuple[int, ...]:
@@ -89,14 +95,16 @@ def _run(model: nn.Module, layers: list[tuple[str, nn.Module]], data: list[Any],
 
 def sensitivities(model: nn.Module, layers: list[tuple[str, nn.Module]], data: list[Any],
                   run: Runner | None = None, noise: float = 0.01,
-                  called: Mapping[str, nn.Module] | None = None) -> dict[str, float]:
+                  called: Mapping[str, nn.Module] | None = None, max_batches: int = 4
+                  ) -> dict[str, float]:
     """Per layer: ``||f(x; layer output + noise) - f(x)|| / (noise ||f(x)||)`` for Gaussian
-    noise of ``noise`` times the output's rms (own generator), on the first batch
-    (``called`` as for :func:`inputs`)."""
-    x = data[0]
-    out = {}
+    noise of ``noise`` times the output's rms (own generator), the norms summed over the first
+    ``max_batches`` batches (``called`` as for :func:`inputs`)."""
+    sample = data[:max_batches]
+    moved = {name: 0.0 for name, _ in layers}
     with evaluated(model):
-        reference = _flat(call(model, x, run))
+        references = [flat(call(model, x, run)) for x in sample]
+        size = sum(float(r.pow(2).sum()) for r in references)
         for name, module in layers:
             gen = torch.Generator().manual_seed(0)
 
@@ -105,14 +113,21 @@ def sensitivities(model: nn.Module, layers: list[tuple[str, nn.Module]], data: l
                 return y + noise * rms * torch.randn(y.shape, generator=gen).to(y)
             handle = (called or {}).get(name, module).register_forward_hook(perturb)
             try:
-                moved = _flat(call(model, x, run))
+                for x, reference in zip(sample, references):
+                    moved[name] += float((flat(call(model, x, run)) - reference).pow(2).sum())
             finally:
                 handle.remove()
-            out[name] = float((moved - reference).norm() / (noise * reference.norm() + 1e-30))
-    return out
+    return {name: (m / (size + 1e-60)) ** 0.5 / noise for name, m in moved.items()}
 
 
-def _flat(output: Any) -> torch.Tensor:
+def outputs(model: nn.Module, data: list[Any], run: Runner | None = None
+            ) -> list[torch.Tensor]:
+    """The model's output on each batch, flat (what healing distils toward)."""
+    with evaluated(model):
+        return [flat(call(model, x, run)) for x in data]
+
+
+def flat(output: Any) -> torch.Tensor:
     """A model's output (a tensor, or tensors in tuples, lists, dicts) as one flat tensor."""
     leaves = [t.reshape(-1).float() for t in torch.utils._pytree.tree_leaves(output)
               if isinstance(t, torch.Tensor)]
