@@ -44,10 +44,10 @@ def test_the_refit_is_the_best_layer_of_its_rank_on_the_compressed_inputs(float6
         w, b = net[2].weight.detach(), net[2].bias.detach()
         n = len(x)
         m, cross = comp.T @ comp / n, orig.T @ comp / n
-        damp = 0.01 * m.diagonal().mean() * torch.eye(32, dtype=x.dtype)
+        damp = max(0.01, 32 / n) * m.diagonal().mean() * torch.eye(32, dtype=x.dtype)
         target = torch.linalg.solve(m + damp, (w @ (cross + damp)).T).T
         # the fit's metric, damped as every data-aware fit damps it (1% of the mean eigenvalue)
-        values, vectors = torch.linalg.eigh(m + damp)
+        values, vectors = torch.linalg.eigh(m + 0.01 * m.diagonal().mean() * torch.eye(32))
         root = (vectors * values.sqrt()) @ vectors.T
         u, s, vh = torch.linalg.svd(target @ root)
         rank = int(torch.linalg.matrix_rank(model[2].dense_weight()))
