@@ -265,16 +265,17 @@ def compress(model: nn.Module, budget: float = 0.25, formats: Sequence[str] = FO
     refits, healed = (), None
     try:
         if sequential:
-            again = observe.sensitivities(model, layers, data, run,
-                                          called={**called, **new})
+            refits_end = end - 0.2 * bool(heal) * (max_seconds or 0)
+            again = observe.sensitivities(model, layers, data, run, called={**called, **new},
+                                          left=lambda: clock.left(refits_end))
             picks, over_budget = allocated(again)
             _swap(model, {**called, **chosen(picks)}, new)
             new = chosen(picks)
-            for i, (name, dense_params, opts, _, seconds) in enumerate(choices):
-                choices[i] = (name, dense_params, opts, again[name], seconds)
+            for i, (name, dense_params, opts, s, seconds) in enumerate(choices):
+                choices[i] = (name, dense_params, opts, again.get(name, s), seconds)
             refits = tuple(sequential_fit.refit(
                 model, list(seen), dict(layers), called, new, data, run, options,
-                lambda: clock.left(end - 0.2 * bool(heal) * (max_seconds or 0)),
+                lambda: clock.left(refits_end),
                 lambda name, a, b: progress.line(f"{name}: refitted on the compressed "
                                                  f"model's inputs, error {a:.4f} -> {b:.4f}")))
         if heal:

@@ -95,17 +95,21 @@ def _run(model: nn.Module, layers: list[tuple[str, nn.Module]], data: list[Any],
 
 def sensitivities(model: nn.Module, layers: list[tuple[str, nn.Module]], data: list[Any],
                   run: Runner | None = None, noise: float = 0.01,
-                  called: Mapping[str, nn.Module] | None = None, max_batches: int = 4
-                  ) -> dict[str, float]:
+                  called: Mapping[str, nn.Module] | None = None, max_batches: int = 4,
+                  left: Callable[[], float] | None = None) -> dict[str, float]:
     """Per layer: ``||f(x; layer output + noise) - f(x)|| / (noise ||f(x)||)`` for Gaussian
     noise of ``noise`` times the output's rms (own generator), the norms summed over the first
-    ``max_batches`` batches (``called`` as for :func:`inputs`)."""
+    ``max_batches`` batches (``called`` as for :func:`inputs`). ``left()``: the seconds left;
+    the layers not reached when it is 0 are left out."""
     sample = data[:max_batches]
     moved = {name: 0.0 for name, _ in layers}
     with evaluated(model):
         references = [flat(call(model, x, run)) for x in sample]
         size = sum(float(r.pow(2).sum()) for r in references)
         for name, module in layers:
+            if left is not None and left() <= 0:
+                del moved[name]
+                continue
             gen = torch.Generator().manual_seed(0)
 
             def perturb(_: nn.Module, args: tuple, y: torch.Tensor) -> torch.Tensor:

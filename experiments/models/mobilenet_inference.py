@@ -1,0 +1,95 @@
+"""Does a compressed MobileNetV2 serve faster? CPU inference time of torchvision's ImageNet
+MobileNetV2 with its 1x1 convs compressed to 50% of their parameters by ``tnspec.compress``
+(the default, and with ``latency=True``, which drops candidates slower than the dense layer),
+against the original, in one process on the same inputs.
+
+Inputs: Fashion-MNIST images at 224 x 224 px (repeated to 3 channels, normalized as for
+ImageNet), batch 1 and batch 32; ``torch.no_grad``, eval mode. Each model's first call plans
+its layers (untimed); then interleaved rounds (every model once per round), medians; the ratio
+is to the original in the same rounds. ``compress`` sees 4 other batches of 16 images at that
+size and keeps the pooled features.
+
+    python -m experiments.models.mobilenet_inference            # about 15 minutes on 2 cores
+    python -m experiments.models.mobilenet_inference --smoke    # the tests run it (seconds)
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import time
+
+import torch
+from torch import nn
+
+import tnspec
+
+from .. import assets
+from ..common import markdown_table, save
+from . import mobilenet
+from .mobilenet_fashion import _pooled, _replaced, params_of, pointwise
+
+
+def timed(models: dict[str, nn.Module], batches: dict[str, torch.Tensor], rounds: int
+          ) -> dict[tuple[str, str], float]:
+    """``{(model, batch): median seconds}`` of a forward, in interleaved rounds."""
+    times: dict[tuple[str, str], list[float]] = {(m, b): [] for m in models for b in batches}
+    with torch.no_grad():
+        for model in models.values():  # first calls: planning, autotuning
+            for batch in batches.values():
+                model(batch)
+        for _ in range(rounds):
+            for (m, b), spent in times.items():
+                start = time.perf_counter()
+                models[m](batches[b])
+                spent.append(time.perf_counter() - start)
+    return {key: statistics.median(spent) for key, spent in times.items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="a tiny version (seconds)")
+    args = parser.parse_args(argv)
+    started = time.time()
+    torch.manual_seed(0)
+    size, n_fit, big = (32, 16, 4) if args.smoke else (224, 64, 32)
+    images, _ = assets.fashion_mnist("train", n_fit + 1 + big)
+    x = mobilenet.fashion_inputs(images, size)
+    fit = [x[i:i + 16] for i in range(0, n_fit, 16)]
+    batches = {"batch 1": x[n_fit:n_fit + 1], f"batch {big}": x[n_fit + 1:n_fit + 1 + big]}
+    model = mobilenet.pretrained()
+    formats = ("low_rank",) if args.smoke else ("low_rank", "cp", "tucker2", "tt", "tr")
+    include = (lambda n, m: pointwise(n, m) and n.startswith(("features.17", "features.18"))) \
+        if args.smoke else pointwise  # smoke: the last two blocks' 1x1 convs
+    models, notes = {"original": model}, []
+    for label, latency in (("compress 50%", False), ("compress 50%, latency=True", True)):
+        t = time.time()
+        made, report = tnspec.compress(copy.deepcopy(model), 0.5, formats, data=fit,
+                                       include=include, run=_pooled, latency=latency,
+                                       max_seconds=60 if args.smoke else 600)
+        made.eval()
+        models[label] = made
+        chosen: dict[str, int] = {}
+        for c in report.choices:
+            chosen[c.chosen.format] = chosen.get(c.chosen.format, 0) + 1
+        notes.append(f"{label}: {params_of(made, _replaced):,} of {params_of(model):,} 1x1 "
+                     f"conv parameters, compressed in {time.time() - t:.0f} s; formats chosen: "
+                     + ", ".join(f"{f} x {n}" for f, n in sorted(chosen.items())))
+        print(notes[-1], flush=True)
+    medians = timed(models, batches, 3 if args.smoke else 15)
+    rows = [(m, b, f"{medians[m, b] * 1e3:.1f}", f"{medians[m, b] / medians['original', b]:.2f}")
+            for b in batches for m in models]
+    text = ("# MobileNetV2 (ImageNet) with its 1x1 convs compressed to 50%: CPU inference time\n\n"
+            f"torch {torch.__version__}, {torch.get_num_threads()} threads; {size} x {size} px, "
+            "no_grad, eval; medians of interleaved rounds after a first call per model.\n\n"
+            + markdown_table(["model", "input", "ms per forward", "x original"], rows)
+            + "\n\n" + "\n".join(f"- {line}" for line in notes))
+    print(text)
+    if not args.smoke:
+        print(f"wrote {save('mobilenet_inference', text, started)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
