@@ -1,0 +1,82 @@
+"""``tnspec.compress`` on a machine shared with another job: why a run with other processes on
+the cores took 10x a quiet one, and what a user can do about it.
+
+Compresses a two-block transformer MLP (384 -> 1536 -> 384, twice) to 50% with data, alone and
+beside a busy neighbour (a process multiplying 1024 x 1024 matrices on 2 threads without end),
+each with torch's intra-op threads at the machine's default and at 1. Rounds alternate the
+thread settings; medians of ``--rounds`` (3). The neighbour starts 2 s before its rows and is
+killed after them.
+
+    python benchmarks/compress_load.py            # about 10 minutes on 2 cores (--rounds 1: 4)
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+import tnspec
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import machine  # noqa: E402
+
+NEIGHBOUR = ("import torch\ntorch.set_num_threads(2)\na = torch.randn(1024, 1024)\n"
+             "while True:\n    a @ a\n")
+
+
+def seconds(net: nn.Module, data: list[torch.Tensor], threads: int) -> float:
+    """Wall seconds of one ``compress`` at ``threads`` intra-op threads (restored after)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        start = time.perf_counter()
+        tnspec.compress(copy.deepcopy(net), 0.5, ("low_rank", "tucker2", "tt"), data=data)
+        return time.perf_counter() - start
+    finally:
+        torch.set_num_threads(before)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args(argv)
+    torch.manual_seed(0)
+    net = nn.Sequential(*[nn.Sequential(nn.Linear(384, 1536), nn.GELU(), nn.Linear(1536, 384))
+                          for _ in range(2)])
+    data = [torch.randn(16, 64, 384) for _ in range(4)]
+    default = torch.get_num_threads()
+    settings = sorted({default, 1}, reverse=True)
+    times: dict[tuple[str, int], list[float]] = {}
+    for machine_state in ("quiet", "one busy neighbour"):
+        neighbour = subprocess.Popen([sys.executable, "-c", NEIGHBOUR]) \
+            if machine_state != "quiet" else None
+        try:
+            time.sleep(2 if neighbour else 0)
+            for _ in range(args.rounds):
+                for threads in settings:
+                    times.setdefault((machine_state, threads), []).append(
+                        seconds(net, data, threads))
+        finally:
+            if neighbour:
+                neighbour.kill()
+                neighbour.wait()
+    quiet = statistics.median(times["quiet", default])
+    print(machine())
+    print(f"\n| machine | torch threads | seconds (median of {args.rounds}) | x quiet at "
+          f"{default} threads |\n|---|---|---|---|")
+    for (state, threads), spent in times.items():
+        median = statistics.median(spent)
+        print(f"| {state} | {threads} | {median:.1f} | {median / quiet:.2f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
