@@ -158,6 +158,34 @@ def markdown_table(header: Sequence[str], rows: Iterable[Sequence[object]]) -> s
     return "\n".join(lines)
 
 
+def formats_chosen(report: tnspec.CompressReport) -> str:
+    """``"dense x 6, low_rank x 30"``: how many layers ``compress`` gave each format."""
+    counts: dict[str, int] = {}
+    for c in report.choices:
+        counts[c.chosen.format] = counts.get(c.chosen.format, 0) + 1
+    return ", ".join(f"{f} x {n}" for f, n in sorted(counts.items()))
+
+
+def inference_rows(models: dict[str, nn.Module], batches: dict[str, object], rounds: int,
+                   feed: Callable[[nn.Module, object], object]) -> list[tuple[str, ...]]:
+    """``(model, batch, ms per forward, x the model named "original")`` rows: ``feed(model,
+    batch)`` under ``no_grad``, each model's first call untimed (planning, autotuning), then
+    interleaved rounds (every model once per round), medians."""
+    times: dict[tuple[str, str], list[float]] = {(m, b): [] for m in models for b in batches}
+    with torch.no_grad():
+        for model in models.values():
+            for batch in batches.values():
+                feed(model, batch)
+        for _ in range(rounds):
+            for (m, b), spent in times.items():
+                start = time.perf_counter()
+                feed(models[m], batches[b])
+                spent.append(time.perf_counter() - start)
+    medians = {key: float(np.median(spent)) for key, spent in times.items()}
+    return [(m, b, f"{medians[m, b] * 1e3:.1f}", f"{medians[m, b] / medians['original', b]:.2f}")
+            for b in batches for m in models]
+
+
 def environment() -> str:
     """One line naming the machine and versions the numbers were measured with."""
     import sklearn

@@ -24,7 +24,7 @@ from torch import nn
 import tnspec
 
 from .. import assets
-from ..common import markdown_table, save
+from ..common import formats_chosen, markdown_table, save
 
 ENCODER = "encoder."  # the layers compressed: the encoder's (smoke: its last block's)
 BUDGETS = (0.75, 0.5, 0.25)
@@ -203,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
                 made, report = made
                 fits.append(f"budget {budget:.0%}, {method}: {report.seconds:.0f} s; formats "
                             "chosen: "
-                            + ", ".join(f"{f} x {n}" for f, n in sorted(_counts(report)))
+                            + formats_chosen(report)
                             + "".join(f"; {line.strip()}" for line in str(report).splitlines()
                                       if line.strip().startswith(("sequential:", "healed:"))))
             acc, cos, params = measure(made)
@@ -221,13 +221,6 @@ def main(argv: list[str] | None = None) -> int:
     if not args.smoke:  # a smoke run writes nothing
         print(f"wrote {save('minilm_compress', text, started)}")
     return 0
-
-
-def _counts(report: tnspec.CompressReport) -> list[tuple[str, int]]:
-    counts: dict[str, int] = {}
-    for c in report.choices:
-        counts[c.chosen.format] = counts.get(c.chosen.format, 0) + 1
-    return list(counts.items())
 
 
 if __name__ == "__main__":

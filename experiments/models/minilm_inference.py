@@ -16,33 +16,15 @@ from __future__ import annotations
 
 import argparse
 import copy
-import statistics
 import time
 
 import torch
-from torch import nn
 
 import tnspec
 
 from .. import assets
-from ..common import markdown_table, save
+from ..common import formats_chosen, inference_rows, markdown_table, save
 from .minilm_compress import encoder_params
-
-
-def timed(models: dict[str, nn.Module], batches: dict[str, dict], rounds: int
-          ) -> dict[tuple[str, str], float]:
-    """``{(model, batch): median seconds}`` of a forward, in interleaved rounds."""
-    times: dict[tuple[str, str], list[float]] = {(m, b): [] for m in models for b in batches}
-    with torch.no_grad():
-        for model in models.values():  # first calls: planning, autotuning
-            for batch in batches.values():
-                model(**batch)
-        for _ in range(rounds):
-            for (m, b), spent in times.items():
-                start = time.perf_counter()
-                models[m](**batches[b])
-                spent.append(time.perf_counter() - start)
-    return {key: statistics.median(spent) for key, spent in times.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -73,17 +55,13 @@ def main(argv: list[str] | None = None) -> int:
                                        include=prefix + "*", latency=latency, **options)
         made.eval()
         models[label] = made
-        chosen: dict[str, int] = {}
-        for c in report.choices:
-            chosen[c.chosen.format] = chosen.get(c.chosen.format, 0) + 1
         notes.append(f"{label}: {encoder_params(made, prefix):,} of "
                      f"{encoder_params(model, prefix):,} encoder parameters, compressed in "
                      f"{time.time() - t:.0f} s; formats chosen: "
-                     + ", ".join(f"{f} x {n}" for f, n in sorted(chosen.items())))
+                     + formats_chosen(report))
         print(notes[-1], flush=True)
-    medians = timed(models, batches, 3 if args.smoke else 25)
-    rows = [(m, b, f"{medians[m, b] * 1e3:.1f}", f"{medians[m, b] / medians['original', b]:.2f}")
-            for b in batches for m in models]
+    rows = inference_rows(models, batches, 3 if args.smoke else 25,
+                          lambda m, b: m(**b))
     return _write(rows, notes, started, args.smoke, length)
 
 

@@ -27,7 +27,7 @@ import tnspec
 
 from .. import assets
 from . import mobilenet
-from ..common import markdown_table, save
+from ..common import formats_chosen, markdown_table, save
 
 SIZE = 96
 
@@ -112,12 +112,9 @@ def main(argv: list[str] | None = None) -> int:
         small, report = tnspec.compress(copy.deepcopy(model), 0.5, data=batches,
                                         include=pointwise, formats=formats, run=run,
                                         max_seconds=240, **more)
-        counts: dict[str, int] = {}
-        for c in report.choices:
-            counts[c.chosen.format] = counts.get(c.chosen.format, 0) + 1
         summaries.append(f"- keeping the {label}: {report.unfitted} candidates left unfitted, "
                          f"{report.pruned} pruned; chose "
-                         + ", ".join(f"{f} x {n}" for f, n in sorted(counts.items()))
+                         + formats_chosen(report)
                          + "".join(f"; {line.strip()}" for line in str(report).splitlines()
                                    if line.strip().startswith(("sequential:", "healed:"))))
         rows.append((f"tnspec.compress with data, 50%, keeping the {label}",

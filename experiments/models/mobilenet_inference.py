@@ -9,7 +9,7 @@ its layers (untimed); then interleaved rounds (every model once per round), medi
 is to the original in the same rounds. ``compress`` sees 4 other batches of 16 images at that
 size and keeps the pooled features.
 
-    python -m experiments.models.mobilenet_inference            # about 15 minutes on 2 cores
+    python -m experiments.models.mobilenet_inference            # about 8 minutes on 2 cores
     python -m experiments.models.mobilenet_inference --smoke    # the tests run it (seconds)
 """
 
@@ -17,34 +17,16 @@ from __future__ import annotations
 
 import argparse
 import copy
-import statistics
 import time
 
 import torch
-from torch import nn
 
 import tnspec
 
 from .. import assets
-from ..common import markdown_table, save
+from ..common import formats_chosen, inference_rows, markdown_table, save
 from . import mobilenet
 from .mobilenet_fashion import _pooled, _replaced, params_of, pointwise
-
-
-def timed(models: dict[str, nn.Module], batches: dict[str, torch.Tensor], rounds: int
-          ) -> dict[tuple[str, str], float]:
-    """``{(model, batch): median seconds}`` of a forward, in interleaved rounds."""
-    times: dict[tuple[str, str], list[float]] = {(m, b): [] for m in models for b in batches}
-    with torch.no_grad():
-        for model in models.values():  # first calls: planning, autotuning
-            for batch in batches.values():
-                model(batch)
-        for _ in range(rounds):
-            for (m, b), spent in times.items():
-                start = time.perf_counter()
-                models[m](batches[b])
-                spent.append(time.perf_counter() - start)
-    return {key: statistics.median(spent) for key, spent in times.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -70,16 +52,12 @@ def main(argv: list[str] | None = None) -> int:
                                        max_seconds=60 if args.smoke else 600)
         made.eval()
         models[label] = made
-        chosen: dict[str, int] = {}
-        for c in report.choices:
-            chosen[c.chosen.format] = chosen.get(c.chosen.format, 0) + 1
         notes.append(f"{label}: {params_of(made, _replaced):,} of {params_of(model):,} 1x1 "
                      f"conv parameters, compressed in {time.time() - t:.0f} s; formats chosen: "
-                     + ", ".join(f"{f} x {n}" for f, n in sorted(chosen.items())))
+                     + formats_chosen(report))
         print(notes[-1], flush=True)
-    medians = timed(models, batches, 3 if args.smoke else 15)
-    rows = [(m, b, f"{medians[m, b] * 1e3:.1f}", f"{medians[m, b] / medians['original', b]:.2f}")
-            for b in batches for m in models]
+    rows = inference_rows(models, batches, 3 if args.smoke else 15,
+                          lambda m, b: m(b))
     text = ("# MobileNetV2 (ImageNet) with its 1x1 convs compressed to 50%: CPU inference time\n\n"
             f"torch {torch.__version__}, {torch.get_num_threads()} threads; {size} x {size} px, "
             "no_grad, eval; medians of interleaved rounds after a first call per model.\n\n"

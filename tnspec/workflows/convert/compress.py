@@ -269,7 +269,7 @@ def compress(model: nn.Module, budget: float = 0.25, formats: Sequence[str] = FO
             again = observe.sensitivities(model, layers, data, run, called={**called, **new},
                                           left=lambda: clock.left(refits_end))
             picks, over_budget = allocated(again)
-            _swap(model, {**called, **chosen(picks)}, new)
+            _swap(model, {**called, **chosen(picks)})
             new = chosen(picks)
             for i, (name, dense_params, opts, s, seconds) in enumerate(choices):
                 choices[i] = (name, dense_params, opts, again.get(name, s), seconds)
@@ -284,7 +284,7 @@ def compress(model: nn.Module, budget: float = 0.25, formats: Sequence[str] = FO
             progress.line(f"healed: {healed.steps} step(s), distance to the original "
                           f"{healed.before:.4g} -> {healed.after:.4g}")
     except BaseException:
-        _swap(model, called, new)
+        _swap(model, called)
         raise
     report_rows = [Choice(name, dense_params, opts[k][0], tuple(c for c, _ in opts), s,
                           dense_seconds)
@@ -342,12 +342,11 @@ class _Clock:
         return max(limit - self.read, 0.0)
 
 
-def _swap(model: nn.Module, wanted: Mapping[str, nn.Module], now_set: Mapping[str, nn.Module]
-          ) -> None:
-    """Set ``wanted[name]`` for every layer of ``now_set`` (and of ``wanted``) that differs."""
-    for name in {*now_set, *wanted}:
-        if name in wanted and model.get_submodule(name) is not wanted[name]:
-            set_submodule(model, name, wanted[name])
+def _swap(model: nn.Module, wanted: Mapping[str, nn.Module]) -> None:
+    """Set ``wanted[name]`` at every name where the model holds another module."""
+    for name, module in wanted.items():
+        if model.get_submodule(name) is not module:
+            set_submodule(model, name, module)
 
 
 def _timed(module: nn.Module, shape: tuple[int, ...] | None, repeats: int = 7) -> float:

@@ -52,13 +52,18 @@ def refit(model: nn.Module, order: list[str], dense: Mapping[str, nn.Module],
         original = _original_rows(model, new, called, plain, name, data, run, keep)
         if original.shape != compressed.shape or not len(original):
             continue  # a layer the batches reach differently in the two models
-        before = _error(plain, layer, original, compressed)
+        want = _outputs(plain, weight_of(plain), original, plain.bias)  # X W^T + b, once
+        before = _error(want, _outputs(plain, layer.dense_weight(), compressed, layer.bias))
         state = {k: v.clone() for k, v in layer.state_dict().items()}
         target, metric = _target(plain, original, compressed)
         layer._fit(target, metric, **{**options, "max_seconds": min(
             options.get("max_seconds") or seconds, seconds)})
-        _shift_bias(plain, layer, original, compressed)
-        after = _error(plain, layer, original, compressed)
+        got = _outputs(plain, layer.dense_weight(), compressed, layer.bias)
+        if plain.bias is not None:  # the bias's least-squares value: the mean left over
+            with torch.no_grad():
+                layer.bias += (want - got).mean(0).reshape(layer.bias.shape).to(layer.bias)
+            got = got + (want - got).mean(0)
+        after = _error(want, got)
         if not after < before:
             layer.load_state_dict(state)
             after = before
@@ -136,36 +141,15 @@ def _target(dense: nn.Module, original: torch.Tensor, compressed: torch.Tensor
     return target.reshape(weight.shape).to(weight), moments.factor(compressed, groups)
 
 
-def _outputs(dense: nn.Module, weight: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    flat = weight.detach().reshape(weight.shape[0], -1).double()
-    return torch.cat([rows[:, cols] @ flat[r].T for r, cols in _blocks(dense, weight)], 1)
+def _outputs(dense: nn.Module, weight: torch.Tensor, rows: torch.Tensor,
+             bias: torch.Tensor | None) -> torch.Tensor:
+    """``rows W^T + bias`` per group of ``dense``, in float64 (``weight`` in any shape of
+    ``dense``'s weight's size)."""
+    flat = weight.detach().reshape(weight_of(dense).shape[0], -1).double()
+    out = torch.cat([rows[:, cols] @ flat[r].T for r, cols in _blocks(dense, flat)], 1)
+    return out if bias is None else out + bias.detach().double().reshape(-1)
 
 
-def _residual(dense: nn.Module, layer: Layer, original: torch.Tensor,
-              compressed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(X W^T, X W^T - X' V^T)`` over the rows, biases aside."""
-    want = _outputs(dense, weight_of(dense), original)
-    with torch.no_grad():
-        got = _outputs(dense, layer.dense_weight().reshape(weight_of(dense).shape), compressed)
-    return want, want - got
-
-
-def _shift_bias(dense: nn.Module, layer: Layer, original: torch.Tensor,
-                compressed: torch.Tensor) -> None:
-    if dense.bias is None:
-        return
-    _, left = _residual(dense, layer, original, compressed)
-    with torch.no_grad():
-        shift = dense.bias.double() + left.mean(0)
-        layer.bias.copy_(shift.reshape(layer.bias.shape).to(layer.bias))
-
-
-def _error(dense: nn.Module, layer: Layer, original: torch.Tensor,
-           compressed: torch.Tensor) -> float:
-    """``||X W^T + b - X' V^T - c|| / ||X W^T + b||`` (``c``: the new layer's bias)."""
-    want, left = _residual(dense, layer, original, compressed)
-    if dense.bias is not None:
-        bias = dense.bias.detach().double().reshape(-1)
-        left = left + bias - layer.bias.detach().double().reshape(-1)
-        want = want + bias
-    return float(left.norm() / (want.norm() + 1e-300))
+def _error(want: torch.Tensor, got: torch.Tensor) -> float:
+    """``||want - got|| / ||want||``."""
+    return float((want - got).norm() / (want.norm() + 1e-300))
