@@ -229,12 +229,14 @@ def test_stages_import_only_what_they_need():
     # the model's memory format: measured as the layers' own orders are, no pipeline stage
     assert graph["nn.layout"] <= {"errors", "planning.calibration", "nn.autotune"}
     # the workflows' shared floor: plain module-tree work, knowing no workflow
-    assert graph["workflows.dense_layers"] <= {"errors"}
+    assert graph["workflows.dense_layers"] <= {"errors", "workflows.padded"}
+    assert graph["workflows.padded"] == set()  # reading a conv's forward: torch alone
     assert graph["workflows.model_tree"] == set()
     assert graph["workflows.feeding"] <= {"errors"}  # running a model on a batch, nothing more
     assert graph["workflows.stand_ins"] <= {"nn.module"}
     assert graph["workflows.left_alone"] <= {"workflows.dense_layers", "workflows.model_tree"}
-    assert graph["workflows.adapted"] <= {"errors", "fit.decompose", "nn.module"}
+    assert graph["workflows.adapted"] <= {"errors", "fit.decompose", "nn.module",
+                                          "workflows.padded"}
     # adapters: above Layer, they build layers through the API and plan nothing
     adapters = {m: d for m, d in graph.items() if m.startswith("workflows.adapters.")}
     assert not {d for deps in adapters.values() for d in deps
@@ -244,7 +246,8 @@ def test_stages_import_only_what_they_need():
     # the step rule: a parametrization of an adapter's cores, knowing no workflow
     assert graph["workflows.adapters.step_rule"] <= {"errors", "nn.module"}
     assert graph["workflows.adapters.lora_export"] <= {"errors", "workflows.adapted",
-                                                       "workflows.dense_layers"}
+                                                       "workflows.dense_layers",
+                                                       "workflows.padded"}
     assert graph["workflows.adapters.hotswap"] <= {"errors", "workflows.adapted",
                                                    "workflows.adapters.state",
                                                    "workflows.adapters.step_rule"}

@@ -29,6 +29,7 @@ from .nn.audit import Audit, audit
 from .nn.embedding import EmbeddingBag, TiedHead, embedding, embedding_bag
 from .nn.module import Layer
 from .workflows.adapted import Adapted, Saved, set_adapter
+from .workflows.padded import Padded
 from .workflows.adapters.state import (adapter_config, adapter_state_dict, disable_adapters,
                                        load_adapters, merge_adapters)
 from .workflows.adapters.adapt import AdaptReport, adapt
@@ -43,7 +44,7 @@ from .workflows.convert.tensorize import tensorize
 __all__ = [
     "__version__", "Adapted", "AdaptReport", "Audit", "Backbone", "Calibration",
     "CompressReport", "Conv", "EmbeddingBag", "Index", "Layer", "LoraExport", "Network",
-    "Options", "Plan", "Role", "Saved", "SpecError", "Tensor", "TiedHead", "adapt",
+    "Options", "Padded", "Plan", "Role", "Saved", "SpecError", "Tensor", "TiedHead", "adapt",
     "adapter_config", "adapter_state_dict", "audit", "backbone", "backward", "calibrate",
     "compile", "compile_all", "compress", "contract", "disable_adapters", "embedding",
     "embedding_bag", "explain", "export_lora", "formats", "generate", "hotswap", "layer",

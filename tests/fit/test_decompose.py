@@ -370,13 +370,16 @@ def test_fit_to_an_all_zero_weight_leaves_a_layer_that_trains(name):
     assert layer.dense_weight().detach().abs().sum() > 0
 
 
-class _StdConv2d(nn.Conv2d):
-    """timm's weight-standardized conv: its forward is not a conv of its raw weight."""
+class _GainConv2d(nn.Conv2d):
+    """A learned gain per output channel in forward: not a conv of its raw weight, and no
+    reading tnspec knows (a "same" pad, a standardized weight) computes it."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.gain = nn.Parameter(torch.full((self.out_channels, 1, 1, 1), 2.0))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = self.weight
-        w = (w - w.mean((1, 2, 3), keepdim=True)) / (w.std((1, 2, 3), keepdim=True) + 1e-5)
-        return self._conv_forward(x, w, self.bias)
+        return self._conv_forward(x, self.weight * self.gain, self.bias)
 
 
 class _LoraLinear(nn.Linear):
@@ -394,7 +397,7 @@ class _PlainSubclass(nn.Conv2d):
 
 @pytest.mark.parametrize("weights", ["init", "fit"])
 def test_subclasses_that_override_forward_are_skipped_and_reported(weights):
-    model = nn.Sequential(_StdConv2d(8, 8, 3, padding=1), nn.ReLU(),
+    model = nn.Sequential(_GainConv2d(8, 8, 3, padding=1), nn.ReLU(),
                           _PlainSubclass(8, 8, 3, padding=1), nn.Flatten(),
                           _LoraLinear(8 * 4 * 4, 10))
     std, lora = model[0], model[4]
@@ -402,8 +405,9 @@ def test_subclasses_that_override_forward_are_skipped_and_reported(weights):
     assert model[0] is std and model[4] is lora
     assert isinstance(model[2], tnspec.Layer)
     why = dict(report.skipped)
-    assert why["0"] == "_StdConv2d overrides forward: a layer of its weight would not compute " \
-                       "what it does"
+    assert why["0"] == "_GainConv2d overrides forward: a layer of its weight would not compute " \
+                       "what it does (no 'same' pad or weight standardization found that " \
+                       "computes it)"
     assert "_LoraLinear overrides forward" in why["4"]
 
 

@@ -23,6 +23,7 @@ import os
 import warnings
 
 import torch
+import torch.nn.functional as F
 from hypothesis import HealthCheck, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from torch import nn
@@ -51,17 +52,43 @@ class TinyLM(nn.Module):
         return self.head(self.out(torch.tanh(self.hidden(self.embed(ids)))))
 
 
+class _SameConv(nn.Conv2d):
+    """TensorFlow's "same" padding made in forward (timm's ``Conv2dSame``)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        pads = []
+        for n, k, s, d in zip(reversed(x.shape[-2:]), reversed(self.kernel_size),
+                              reversed(self.stride), reversed(self.dilation)):
+            total = max((-(-n // s) - 1) * s + (k - 1) * d + 1 - n, 0)
+            pads += [total // 2, total - total // 2]
+        return F.conv2d(F.pad(x, pads), self.weight, self.bias, self.stride, 0, self.dilation,
+                        self.groups)
+
+
+class _StdConv(nn.Conv2d):
+    """A weight standardized in forward (BiT's ``StdConv2d``)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        v, m = torch.var_mean(self.weight, dim=[1, 2, 3], keepdim=True, unbiased=False)
+        return self._conv_forward(x, (self.weight - m) / torch.sqrt(v + 1e-10), self.bias)
+
+
 @st.composite
 def cnns(draw) -> nn.Module:
-    """Two convs of random geometry (stride, padding and its mode, dilation, groups) and a
-    linear head."""
+    """Two convs of random geometry (stride, padding and its mode, dilation, groups; or a
+    subclass padding "same" or standardizing its weight in forward) and a linear head."""
     stride, dilation = draw(st.sampled_from([1, 2])), draw(st.sampled_from([1, 2]))
     groups = draw(st.sampled_from([1, 2]))
-    mode = draw(st.sampled_from(["zeros", "reflect"]))
-    first = nn.Conv2d(4, 4, 3, stride=stride, padding=dilation, dilation=dilation,
-                      groups=groups, padding_mode=mode)
+    kind = draw(st.sampled_from(["zeros", "reflect", "same", "standardized"]))
+    if kind == "same":
+        first = _SameConv(4, 4, 3, stride=stride, dilation=dilation, groups=groups)
+        size = -(-8 // stride)
+    else:
+        cls = _StdConv if kind == "standardized" else nn.Conv2d
+        first = cls(4, 4, 3, stride=stride, padding=dilation, dilation=dilation,
+                    groups=groups, padding_mode="reflect" if kind == "reflect" else "zeros")
+        size = (8 + 2 * dilation - 2 * dilation - 1) // stride + 1
     second = nn.Conv2d(4, 4, 1)
-    size = (8 + 2 * dilation - 2 * dilation - 1) // stride + 1
     return nn.Sequential(first, nn.ReLU(), second, nn.Flatten(), nn.Linear(4 * size * size, 3))
 
 

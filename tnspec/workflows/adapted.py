@@ -17,12 +17,14 @@ from torch.nn.utils import parametrize
 from ..errors import SpecError
 from ..fit import decompose
 from ..nn.module import Layer
+from .padded import Padded
 
 
 class Adapted(nn.Module):
-    """A frozen ``base`` module (``nn.Linear`` or ``nn.Conv1d/2d/3d``, untouched) and named
-    tnspec ``adapters`` of its geometry: ``forward(x) = base(x) + scaling * adapter(x)`` for
-    the active adapter, run as its planned network on the input as the base pads it. An
+    """A frozen ``base`` module (``nn.Linear`` or ``nn.Conv1d/2d/3d``, untouched, or one in a
+    :class:`Padded`) and named tnspec ``adapters`` of its geometry: ``forward(x) = base(x) +
+    scaling * adapter(x)`` for the active adapter, run as its planned network on the input as
+    the base pads it. An
     adapter built with ``init="offset"`` has a frozen copy of itself at init in ``offsets``,
     subtracted: ``scaling * (adapter(x) - offset(x))``."""
 
@@ -63,6 +65,8 @@ class Adapted(nn.Module):
         y = self.base(x)
         if self.disabled or self.active is None:
             return y
+        if isinstance(self.base, Padded):  # a conv that padded in its forward: as it pads
+            x = self.base.pad(x)
         pad = self.pads[self.active]
         if pad is not None:
             x = F.pad(x, pad[0], mode=pad[1])

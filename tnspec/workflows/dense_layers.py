@@ -16,6 +16,8 @@ import torch
 from torch import nn
 
 from ..errors import SpecError
+from . import padded
+from .padded import Reading
 
 CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 
@@ -67,65 +69,28 @@ def stored(module: nn.Module, value: torch.Tensor) -> torch.Tensor:
     return value.t().contiguous() if is_transposed(module) else value
 
 
-def check_forward(module: nn.Module) -> nn.Module:
-    """``module``, or a plain ``nn.ConvNd`` computing what it does; SpecError where there is
-    none. A subclass that overrides ``forward`` (a weight-standardized conv, a LoRA linear) is
-    not its weight, and ``nn.MultiheadAttention``'s out-projection is read by its parent,
-    never called. A conv subclass that pads in its own forward, as checkpoints ported from
-    TensorFlow do ("same" padding: EfficientNet-PyTorch's ``Conv2dStaticSamePadding``, timm's
-    ``Conv2dSame``), computes a plain conv where its stride is 1 and the padding symmetric:
-    checked on random inputs of two sizes, that conv is returned, holding the same
-    parameters."""
+def check_forward(module: nn.Module) -> Reading:
+    """What ``module`` computes as a plain layer (a :class:`Reading`); SpecError where that is
+    not known. A subclass that overrides ``forward`` (a LoRA linear, a conv with a learned
+    gain) is not its weight, and ``nn.MultiheadAttention``'s out-projection is read by its
+    parent, never called. A conv subclass that pads "same" in its own forward, as checkpoints
+    ported from TensorFlow do, or standardizes its weight, as BiT's do, is read as the plain
+    conv it computes with the pad kept in front (:mod:`.padded`)."""
     if isinstance(module, nn.modules.linear.NonDynamicallyQuantizableLinear):
         raise SpecError("nn.MultiheadAttention reads this layer's weight directly")
+    if isinstance(module, padded.Padded):  # the base of an adapted layer, read before
+        return Reading(module.layer, module.pad)
     base = next(b for b in (*linear_kinds(), *CONVS) if isinstance(module, b))
     for method in ("forward", "_conv_forward"):
         if getattr(type(module), method, None) is not getattr(base, method, None):
-            plain = _plain_conv(module, base) if base in CONVS else None
-            if plain is not None:
-                return plain
-            why = f"{type(module).__name__} overrides {method}: a layer of its weight would " \
-                "not compute what it does"
-            if base in CONVS and any(s != 1 for s in module.stride):
-                why += f" (stride {tuple(module.stride)}: a pad made in forward would depend " \
-                    "on the input size)"
-            raise SpecError(why)
-    return module
-
-
-def _plain_conv(module: nn.Module, base: type) -> nn.Module | None:
-    """A plain ``base`` conv holding ``module``'s weight and bias that computes what
-    ``module`` does on random inputs of two sizes, padded as configured or "same" on top;
-    None where neither does (or the stride is not 1, where "same" depends on the size)."""
-    if any(s != 1 for s in module.stride) or module.padding_mode != "zeros" or \
-            isinstance(module.padding, str) or module.transposed:
-        return None
-    same = tuple(d * (k - 1) for k, d in zip(module.kernel_size, module.dilation))
-    candidates = [tuple(module.padding)]
-    if all(s % 2 == 0 for s in same) and any(same):
-        candidates.append(tuple(p + s // 2 for p, s in zip(module.padding, same)))
-    weight = module.weight
-    gen = torch.Generator(device=weight.device).manual_seed(0)
-    side = max(same) + 3
-    inputs = [torch.randn(2, module.in_channels, *([n] * len(same)), generator=gen,
-                          device=weight.device, dtype=weight.dtype) for n in (side, side + 1)]
-    try:
-        with torch.no_grad():
-            wanted = [module(x) for x in inputs]
-    except Exception:  # noqa: BLE001 (its own forward fails on a probe: not a plain conv)
-        return None
-    for padding in candidates:
-        plain = base(module.in_channels, module.out_channels, module.kernel_size,
-                     padding=padding, dilation=module.dilation, groups=module.groups,
-                     bias=module.bias is not None, device="meta")
-        plain.weight, plain.bias = module.weight, module.bias  # the same parameters
-        with torch.no_grad():
-            got = [plain(x) for x in inputs]
-        if all(g.shape == w.shape and torch.allclose(g, w, rtol=1e-4, atol=1e-5 * float(
-                w.abs().max()) + 1e-12) for g, w in zip(got, wanted)):
-            plain.train(module.training)
-            return plain
-    return None
+            read = padded.reading(module, base) if base in CONVS else None
+            if read is not None:
+                return read
+            raise SpecError(f"{type(module).__name__} overrides {method}: a layer of its "
+                            "weight would not compute what it does" + (
+                                " (no 'same' pad or weight standardization found that "
+                                "computes it)" if base in CONVS else ""))
+    return Reading(module)
 
 
 def kind_names() -> str:

@@ -202,7 +202,8 @@ def adapt(model: nn.Module, fmt: Fmt = "low_rank", *, rank: int | float | None =
             if owner is not None and name in owner.adapters:
                 raise SpecError(f"it has an adapter named {name!r} already",
                                 hint="give another name=, or merge_adapters first")
-            original, module = module, check_forward(module)
+            original, read = module, check_forward(module)
+            module = read.layer
             layer, scaling, pad, zeroed, note = adapter_layer(module, fmt, rank, scale, zero,
                                                               sizes, options, init)
             step_rule_.bound(layer, step_rule, zeroed)
@@ -210,16 +211,14 @@ def adapt(model: nn.Module, fmt: Fmt = "low_rank", *, rank: int | float | None =
         except SpecError as exc:
             skipped.append((path or type(module).__name__, exc.message))
             continue
-        owner = owner or Adapted(module)
+        owner = owner or Adapted(read.base(original))
         owner.add(name, layer, scaling, pad, zeroed, offset)
         wrapped[id(original)] = (owner, path)
         if path:
             set_submodule(model, path, owner)
         else:
             root = owner
-        if original is not module:
-            note = "; ".join(filter(None, [note, f"a {type(original).__name__} that pads in "
-                                           "its forward: adapted as the plain conv it computes"]))
+        note = "; ".join(filter(None, [note, read.note(original, "adapted as")]))
         own, theirs = (sum(p.numel() for p in m.parameters()) for m in (layer, module))
         if own > theirs:
             note = "; ".join(filter(None, [note, "more parameters than the layer it adapts: "

@@ -18,6 +18,7 @@ from torch import nn
 from ...errors import SpecError
 from ..adapted import Adapted, Saved, adapted_modules
 from ..dense_layers import is_linear, is_transposed
+from ..padded import Padded
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,10 @@ def export_lora(model: nn.Module, rank: int, name: str | None = None,
         if not path:
             raise SpecError("the model is a bare adapted layer: a LoRA names the layers "
                             "inside a model", hint="adapt the model that holds the layer")
+        if isinstance(base, Padded):
+            raise SpecError(f"layer {path!r} pads its input in its forward ({base.pad}): "
+                            "PEFT's LoRA conv would read it unpadded",
+                            hint="exclude it from adapt, or merge_adapters instead")
         if getattr(base, "groups", 1) != 1 or getattr(base, "padding_mode", "zeros") != "zeros" \
                 or any(d != 1 for d in getattr(base, "dilation", ())):
             raise SpecError(f"layer {path!r} ({type(base).__name__}) has no LoRA form: PEFT's "

@@ -20,8 +20,9 @@ from ...errors import SpecError
 from ...shapes import geometry
 from ...nn.api import _with_options, compile
 from ..adapted import Adapted, Saved, adapted_modules, frozen_copy, parts, set_adapter
-from ..dense_layers import is_dense, is_linear, kind_names, stored, weight_of
+from ..dense_layers import check_forward, is_dense, is_linear, kind_names, stored, weight_of
 from ..model_tree import parameter_holders, set_submodule
+from ..padded import Padded
 from ..stand_ins import TensorizedConv, TensorizedLinear
 from .layers import INITS, _geometry_differs, _padding
 from . import step_rule
@@ -83,14 +84,17 @@ def merge_adapters(model: nn.Module, name: str | Sequence[str] | None = None, *,
             if isinstance(module, Saved):  # the copy trained in full stands in for it
                 merged[id(module)] = module.copies[names[0]] if names else module.original
             else:
-                base = module.base
-                if names:
+                merged[id(module)] = module.base
+                if names:  # written into the plain conv the base computes
+                    read = check_forward(module.base)
+                    base = read.layer
                     weight = weight_of(base).detach().double()
                     for n in names:
                         weight = weight + module.delta_weight(n).to(weight.device)
                     _write_weight(base, stored(base, weight).to(base.weight.dtype), path,
-                                  holders)
-                merged[id(module)] = base
+                                  holders, module.base)
+                    if not isinstance(module.base, Padded):
+                        merged[id(module)] = read.around(base)
         if not path:
             return merged[id(module)]
         set_submodule(target, path, merged[id(module)])
@@ -98,12 +102,13 @@ def merge_adapters(model: nn.Module, name: str | Sequence[str] | None = None, *,
 
 
 def _write_weight(base: nn.Module, value: torch.Tensor, path: str,
-                  holders: dict[int, list[tuple[str, nn.Module]]]) -> None:
+                  holders: dict[int, list[tuple[str, nn.Module]]], merged: nn.Module) -> None:
     """Set ``base``'s weight to ``value`` so that the layer computes with it: a weight under a
     parametrization (weight_norm, spectral_norm) becomes a plain parameter, since writing the
     computed weight would be lost at the next call; a weight another module holds too (a
     language model's head tied to its embedding) is replaced rather than written, with a
-    warning, so that the other module keeps what it had."""
+    warning, so that the other module keeps what it had (``merged``, the adapted layer's base
+    ``base`` was read from, is no other)."""
     if parametrize.is_parametrized(base, "weight"):
         parametrize.remove_parametrizations(base, "weight", leave_parametrized=True)
     for hook in list(base._forward_pre_hooks.values()):  # the hook-based forms, deprecated
@@ -112,7 +117,8 @@ def _write_weight(base: nn.Module, value: torch.Tensor, path: str,
         elif isinstance(hook, SpectralNorm) and hook.name == "weight":
             torch.nn.utils.remove_spectral_norm(base)
     weight = base.weight
-    others = [name or "the model" for name, m in holders.get(id(weight), []) if m is not base]
+    others = [name or "the model" for name, m in holders.get(id(weight), [])
+              if m is not base and m is not merged]
     if others:
         warnings.warn(f"merge_adapters: layer {path!r} shares its weight with "
                       f"{', '.join(map(repr, dict.fromkeys(others)))}; the merged layer gets a "
@@ -195,9 +201,14 @@ def load_adapters(model: nn.Module, state: Mapping[str, Any],
         if module is None:
             continue
         base = module.base if isinstance(module, Adapted) else module
-        if not is_dense(base):
+        if not is_dense(base) and not isinstance(base, Padded):
             raise SpecError(f"layer {path!r} is a {type(base).__name__}, not an "
                             f"{kind_names()}")
+        try:
+            read = check_forward(base)  # a conv padding in its forward: as adapt reads it
+        except SpecError as exc:
+            raise SpecError(f"layer {path!r}: {exc.message}") from None
+        base = read.layer
         adapters = []
         for key, saved in entry["adapters"].items():
             if isinstance(module, Adapted) and key in module.adapters:
@@ -213,7 +224,7 @@ def load_adapters(model: nn.Module, state: Mapping[str, Any],
             adapters.append((key, layer, float(saved["scaling"]), None if saved["pad"] is None
                              else (tuple(saved["pad"][0]), saved["pad"][1]), saved["zeroed"],
                              offset))
-        planned.append((path, module, adapters, entry["active"]))
+        planned.append((path, module, adapters, entry["active"], read))
     copies = []
     for path, entry in config.get("saved", {}).items():
         module = _found(model, path, strict)
@@ -238,8 +249,8 @@ def load_adapters(model: nn.Module, state: Mapping[str, Any],
                         + (f" (and {len(unused) - 1} more)" if len(unused) > 1 else ""),
                         hint="give the config saved with these tensors, or strict=False")
     root = model
-    for path, module, adapters, _ in planned:
-        owner = module if isinstance(module, Adapted) else Adapted(module)
+    for path, module, adapters, _, read in planned:
+        owner = module if isinstance(module, Adapted) else Adapted(read.base(module))
         for key, layer, scaling, pad, zeroed, offset in adapters:
             owner.add(key, layer, scaling, pad, zeroed, offset)
         if owner is not module:
@@ -255,7 +266,7 @@ def load_adapters(model: nn.Module, state: Mapping[str, Any],
             set_submodule(root, path, owner)
     for p in root.parameters():
         p.requires_grad_(False)
-    actives = [a for *_, a in planned] + [a for *_, a in copies]
+    actives = [p[3] for p in planned] + [a for *_, a in copies]
     for active in dict.fromkeys(a for a in actives if a):
         set_adapter(root, active)
     return root

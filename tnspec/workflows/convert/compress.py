@@ -38,6 +38,7 @@ from ..adapted import adapted_parts
 from ..dense_layers import check_forward, is_dense, never_replaced, weight_of
 from ..feeding import Runner
 from ..left_alone import read_directly, tied
+from ..padded import Reading
 from ..model_tree import Selector, first_skipped, selected, set_submodule
 from . import heal as healing
 from . import observe
@@ -94,8 +95,11 @@ def compress(model: nn.Module, budget: float = 0.25, formats: Sequence[str] = FO
     ``max_seconds`` each of the two takes up to a fifth of the time, the fits the rest.
 
     Returns ``(model, report)``; ``print(report)`` shows a row per layer, ``report.plot()``
-    the candidates. Nothing in the model changes until every fit is done, and an error or
-    Ctrl-C at any point, the refits and healing included, leaves the model as it was."""
+    the candidates. Nothing in the model changes until every fit is done (but for a conv
+    that pads "same" or standardizes its weight in its forward, which the plain conv it
+    computes stands in for while the call runs, and whose pad stays around its new layer), and
+    an error or Ctrl-C at any point, the refits and healing included, leaves the model as it
+    was."""
     started = now()
     if not 0 < budget <= 1:
         raise SpecError(f"budget={budget!r} is a share of the dense parameters",
@@ -122,7 +126,7 @@ def compress(model: nn.Module, budget: float = 0.25, formats: Sequence[str] = FO
     options = {**FIT, **dict(fit or {})}
     other = never_replaced(model)
     left_alone = {**read_directly(model), **tied(model), **adapted_parts(model)}
-    layers, skipped, called = [], [], {}
+    layers, skipped, called, stand_ins = [], [], {}, {}
     for name, module in model.named_modules():
         if not is_dense(module) or isinstance(module, Layer) or \
                 not selected(name, module, include, exclude):
@@ -130,12 +134,15 @@ def compress(model: nn.Module, budget: float = 0.25, formats: Sequence[str] = FO
         try:
             if name in left_alone:
                 raise SpecError(left_alone[name])
-            plain = check_forward(module)  # a subclass padding "same" itself: a plain conv
+            read = check_forward(module)
         except SpecError as exc:
             skipped.append((name, exc.message))
             continue
-        layers.append((name, plain))
-        called[name] = module  # what the model calls: where its inputs are seen
+        if read.layer is not module:  # a conv that pads or standardizes in its forward
+            stand_ins[name] = (module, read)
+            name = name if read.pad is None else f"{name}.layer"  # inside its Padded
+        layers.append((name, read.layer))
+        called[name] = read.layer  # what the model calls: where its inputs are seen
     if not layers:
         why = f": {first_skipped(skipped)}" if skipped else ""
         raise SpecError(f"no layer to compress{why}",
@@ -151,144 +158,152 @@ def compress(model: nn.Module, budget: float = 0.25, formats: Sequence[str] = FO
         if not data:
             raise SpecError("data= holds no batch", hint="give a tensor, or an iterable of "
                             "batches with at least one")
-    progress = Progress("compress")
-    seen = observe.inputs(model, layers, data, max_batches, run, called) \
-        if data is not None else {}
-    sensitivity = observe.sensitivities(model, layers, data, run, called=called) \
-        if data is not None else {}
-    targets = observe.outputs(model, data, run) if heal else []
-    progress.line(f"{len(layers)} layer(s) to fit"
-                  + (f", inputs recorded ({now() - started:.0f} s)" if data else ""))
-    end = math.inf if max_seconds is None else started + max_seconds
-    # the refits and the healing pass each take up to a fifth of max_seconds
-    deadline = end - (0.2 * bool(sequential) + 0.2 * bool(heal)) * (max_seconds or 0)
-    clock = _Clock(started)
-    choices, unfitted = [], 0
-    for name, module in layers:
-        dense_params = sum(p.numel() for p in module.parameters())
-        shape = seen.get(name, (None, None))[0]
-        # latency: timed on the input shape the layer saw; one the data never reached (an
-        # auxiliary head) has none, and is left untimed
-        time_of = (timer or _timed) if latency and shape is not None else None
-        dense_seconds = time_of(module, shape) if time_of else None
-        choices.append((name, dense_params,
-                        [(Candidate("dense", 1.0, dense_params, 0.0, dense_seconds), None)],
-                        sensitivity.get(name, 1.0), dense_seconds))
-    networks: dict[str, set] = {name: set() for name, _ in layers}
-
-    def candidate(name: str, module: nn.Module, options_here: list, dense_params: int,
-                  dense_seconds: float | None, fmt: str, share: float, left: float
-                  ) -> Candidate | None:
-        """``fmt`` at ``share`` fitted to the layer and added to its options; None where it
-        is no candidate (no rank within the share, fitted before, slower or not smaller)."""
-        shape, metric = seen.get(name, (None, None))
-        time_of = (timer or _timed) if latency and shape is not None else None
-        try:
-            new = _replacement(module, fmt, share, "graph-in", "linear", {})
-        except SpecError:
-            return None  # no rank within that share, or a layer this format cannot be
-        net = new.network  # two formats can be one network (CP and low-rank linears)
-        same = (tuple(c.indices for c in net.cores), tuple(sorted(net.sizes.items())))
-        if same in networks[name]:
-            return None
-        networks[name].add(same)
-        cand = _fitted(module, new, fmt, share, metric,
-                       {**options, "max_seconds": min(options["max_seconds"] or math.inf,
-                                                      left)},
-                       time_of, shape, dense_seconds)
-        if cand is None or cand.params >= dense_params:
-            return None
-        options_here.append((cand, new))
-        return cand
-
-    # first, every layer's smallest candidate of the first format (seconds for a whole encoder
-    # in low rank): an allocation within the budget exists however soon max_seconds ends
-    for (name, module), (_, dense_params, options_here, _, dense_seconds) in \
-            zip(layers, choices):
-        left = clock.left(deadline)
-        if left > 0:
-            candidate(name, module, options_here, dense_params, dense_seconds, formats[0],
-                      min(shares), left)
-    # then format by format over all layers: under a time budget every layer has the first
-    # formats' candidates before any has the last's
-    pruned, pairs, fitting = 0, len(formats) * len(layers), clock.read
-    for f, fmt in enumerate(formats):
-        for j, ((name, module), (_, dense_params, options_here, _, dense_seconds)) in \
-                enumerate(zip(layers, choices)):
-            count, beaten = 0, 0
-            for k, share in enumerate(sorted(shares)):
-                left = clock.left(deadline)
-                if left <= 0:
-                    unfitted += 1
-                    continue
-                if prune and beaten == 2 == k:  # beaten at its two smallest shares
-                    pruned += len(shares) - k
-                    break
-                cand = candidate(name, module, options_here, dense_params, dense_seconds, fmt,
-                                 share, left)
-                if cand is None:
-                    if fmt == formats[0] and k == 0:  # the floor pass fitted it
-                        count += any(c.format == fmt and c.share == share
-                                     for c, _ in options_here)
-                    continue
-                beaten += any(c.format not in ("dense", fmt) and c.share == share and
-                              c.error <= cand.error for c, _ in options_here if c is not cand)
-                count += 1
-            done = f * len(layers) + j + 1
-            # at the pace so far (a ring's later fits are often slower), capped by max_seconds
-            clock.left(deadline)  # read only while there is time left
-            at = clock.read
-            ahead = min((at - fitting) * (pairs - done) / done, max(deadline - at, 0))
-            progress.line(f"{name}: {count} {fmt} candidate(s) fitted "
-                          f"({at - started:.0f} s so far"
-                          + (f", about {ahead:.0f} s left)" if done < pairs else ")"))
-
-    def allocated(sensitivities: Mapping[str, float] | None) -> tuple[list[int], bool]:
-        """The picks per layer, and whether they are over the budget."""
-        items = [[(c.params, ((sensitivities or {}).get(name, s) * c.error) ** 2)
-                  for c, _ in opts] for name, _, opts, s, _ in choices]
-        try:
-            return allocate(items, budget), False
-        except SpecError:
-            if max_seconds is None or unfitted == 0:
-                raise  # the budget is below what the formats can do, not what time allowed
-            # bounded by time: the smallest fitted candidate of each layer, over the budget
-            return [min(range(len(layer)), key=lambda k: layer[k][0]) for layer in items], True
-
-    def chosen(picks: list[int]) -> dict[str, nn.Module]:
-        return {name: opts[k][1] for (name, _, opts, _, _), k in zip(choices, picks)
-                if opts[k][1] is not None}
-
-    picks, over_budget = allocated(None)
-    new = chosen(picks)
-    _apply(model, new)
-    refits, healed = (), None
+    # while it runs, the model calls the plain conv each such subclass computes
+    _stand_in(model, stand_ins)
     try:
-        if sequential:
-            refits_end = end - 0.2 * bool(heal) * (max_seconds or 0)
-            again = observe.sensitivities(model, layers, data, run, called={**called, **new},
-                                          left=lambda: clock.left(refits_end))
-            picks, over_budget = allocated(again)
-            _swap(model, {**called, **chosen(picks)})
-            new = chosen(picks)
-            for i, (name, dense_params, opts, s, seconds) in enumerate(choices):
-                choices[i] = (name, dense_params, opts, again.get(name, s), seconds)
-            refits = tuple(sequential_fit.refit(
-                model, list(seen), dict(layers), called, new, data, run, options,
-                lambda: clock.left(refits_end),
-                lambda name, a, b: progress.line(f"{name}: refitted on the compressed "
-                                                 f"model's inputs, error {a:.4f} -> {b:.4f}")))
-        if heal:
-            healed = healing.heal(model, list(new.values()), data, targets, run, heal,
-                                  heal_lr, lambda: clock.left(end))
-            progress.line(f"healed: {healed.steps} step(s), distance to the original "
-                          f"{healed.before:.4g} -> {healed.after:.4g}")
+        progress = Progress("compress")
+        seen = observe.inputs(model, layers, data, max_batches, run, called) \
+            if data is not None else {}
+        sensitivity = observe.sensitivities(model, layers, data, run, called=called) \
+            if data is not None else {}
+        targets = observe.outputs(model, data, run) if heal else []
+        progress.line(f"{len(layers)} layer(s) to fit"
+                      + (f", inputs recorded ({now() - started:.0f} s)" if data else ""))
+        end = math.inf if max_seconds is None else started + max_seconds
+        # the refits and the healing pass each take up to a fifth of max_seconds
+        deadline = end - (0.2 * bool(sequential) + 0.2 * bool(heal)) * (max_seconds or 0)
+        clock = _Clock(started)
+        choices, unfitted = [], 0
+        for name, module in layers:
+            dense_params = sum(p.numel() for p in module.parameters())
+            shape = seen.get(name, (None, None))[0]
+            # latency: timed on the input shape the layer saw; one the data never reached (an
+            # auxiliary head) has none, and is left untimed
+            time_of = (timer or _timed) if latency and shape is not None else None
+            dense_seconds = time_of(module, shape) if time_of else None
+            choices.append((name, dense_params,
+                            [(Candidate("dense", 1.0, dense_params, 0.0, dense_seconds), None)],
+                            sensitivity.get(name, 1.0), dense_seconds))
+        networks: dict[str, set] = {name: set() for name, _ in layers}
+
+        def candidate(name: str, module: nn.Module, options_here: list, dense_params: int,
+                      dense_seconds: float | None, fmt: str, share: float, left: float
+                      ) -> Candidate | None:
+            """``fmt`` at ``share`` fitted to the layer and added to its options; None where it
+            is no candidate (no rank within the share, fitted before, slower or not smaller)."""
+            shape, metric = seen.get(name, (None, None))
+            time_of = (timer or _timed) if latency and shape is not None else None
+            try:
+                new = _replacement(module, fmt, share, "graph-in", "linear", {})
+            except SpecError:
+                return None  # no rank within that share, or a layer this format cannot be
+            net = new.network  # two formats can be one network (CP and low-rank linears)
+            same = (tuple(c.indices for c in net.cores), tuple(sorted(net.sizes.items())))
+            if same in networks[name]:
+                return None
+            networks[name].add(same)
+            cand = _fitted(module, new, fmt, share, metric,
+                           {**options, "max_seconds": min(options["max_seconds"] or math.inf,
+                                                          left)},
+                           time_of, shape, dense_seconds)
+            if cand is None or cand.params >= dense_params:
+                return None
+            options_here.append((cand, new))
+            return cand
+
+        # first, every layer's smallest candidate of the first format (seconds for a whole encoder
+        # in low rank): an allocation within the budget exists however soon max_seconds ends
+        for (name, module), (_, dense_params, options_here, _, dense_seconds) in \
+                zip(layers, choices):
+            left = clock.left(deadline)
+            if left > 0:
+                candidate(name, module, options_here, dense_params, dense_seconds, formats[0],
+                          min(shares), left)
+        # then format by format over all layers: under a time budget every layer has the first
+        # formats' candidates before any has the last's
+        pruned, pairs, fitting = 0, len(formats) * len(layers), clock.read
+        for f, fmt in enumerate(formats):
+            for j, ((name, module), (_, dense_params, options_here, _, dense_seconds)) in \
+                    enumerate(zip(layers, choices)):
+                count, beaten = 0, 0
+                for k, share in enumerate(sorted(shares)):
+                    left = clock.left(deadline)
+                    if left <= 0:
+                        unfitted += 1
+                        continue
+                    if prune and beaten == 2 == k:  # beaten at its two smallest shares
+                        pruned += len(shares) - k
+                        break
+                    cand = candidate(name, module, options_here, dense_params, dense_seconds, fmt,
+                                     share, left)
+                    if cand is None:
+                        if fmt == formats[0] and k == 0:  # the floor pass fitted it
+                            count += any(c.format == fmt and c.share == share
+                                         for c, _ in options_here)
+                        continue
+                    beaten += any(c.format not in ("dense", fmt) and c.share == share and
+                                  c.error <= cand.error for c, _ in options_here if c is not cand)
+                    count += 1
+                done = f * len(layers) + j + 1
+                # at the pace so far (a ring's later fits are often slower), capped by max_seconds
+                clock.left(deadline)  # read only while there is time left
+                at = clock.read
+                ahead = min((at - fitting) * (pairs - done) / done, max(deadline - at, 0))
+                progress.line(f"{name}: {count} {fmt} candidate(s) fitted "
+                              f"({at - started:.0f} s so far"
+                              + (f", about {ahead:.0f} s left)" if done < pairs else ")"))
+
+        def allocated(sensitivities: Mapping[str, float] | None) -> tuple[list[int], bool]:
+            """The picks per layer, and whether they are over the budget."""
+            items = [[(c.params, ((sensitivities or {}).get(name, s) * c.error) ** 2)
+                      for c, _ in opts] for name, _, opts, s, _ in choices]
+            try:
+                return allocate(items, budget), False
+            except SpecError:
+                if max_seconds is None or unfitted == 0:
+                    raise  # the budget is below what the formats can do, not what time allowed
+                # bounded by time: the smallest fitted candidate of each layer, over the budget
+                return [min(range(len(layer)), key=lambda k: layer[k][0]) for layer in items], True
+
+        def chosen(picks: list[int]) -> dict[str, nn.Module]:
+            return {name: opts[k][1] for (name, _, opts, _, _), k in zip(choices, picks)
+                    if opts[k][1] is not None}
+
+        picks, over_budget = allocated(None)
+        new = chosen(picks)
+        _apply(model, new)
+        refits, healed = (), None
+        try:
+            if sequential:
+                refits_end = end - 0.2 * bool(heal) * (max_seconds or 0)
+                again = observe.sensitivities(model, layers, data, run, called={**called, **new},
+                                              left=lambda: clock.left(refits_end))
+                picks, over_budget = allocated(again)
+                _swap(model, {**called, **chosen(picks)})
+                new = chosen(picks)
+                for i, (name, dense_params, opts, s, seconds) in enumerate(choices):
+                    choices[i] = (name, dense_params, opts, again.get(name, s), seconds)
+                refits = tuple(sequential_fit.refit(
+                    model, list(seen), dict(layers), called, new, data, run, options,
+                    lambda: clock.left(refits_end),
+                    lambda name, a, b: progress.line(f"{name}: refitted on the compressed "
+                                                     f"model's inputs, error {a:.4f} -> {b:.4f}")))
+            if heal:
+                healed = healing.heal(model, list(new.values()), data, targets, run, heal,
+                                      heal_lr, lambda: clock.left(end))
+                progress.line(f"healed: {healed.steps} step(s), distance to the original "
+                              f"{healed.before:.4g} -> {healed.after:.4g}")
+        except BaseException:
+            _swap(model, called)
+            raise
+        report_rows = [Choice(name, dense_params, opts[k][0], tuple(c for c, _ in opts), s,
+                              dense_seconds)
+                       for (name, dense_params, opts, s, dense_seconds), k in zip(choices, picks)]
     except BaseException:
-        _swap(model, called)
+        _put_back(model, stand_ins, set())
         raise
-    report_rows = [Choice(name, dense_params, opts[k][0], tuple(c for c, _ in opts), s,
-                          dense_seconds)
-                   for (name, dense_params, opts, s, dense_seconds), k in zip(choices, picks)]
+    _put_back(model, stand_ins, {name for (name, _, opts, _, _), k in zip(choices, picks)
+                                 if opts[k][1] is not None})
     progress.close()
     return model, CompressReport(budget, tuple(report_rows), tuple(skipped), data is not None,
                                  now() - started, unfitted=unfitted, other=other,
@@ -340,6 +355,21 @@ class _Clock:
         if limit - self.read <= 0:
             self.past.add(limit)
         return max(limit - self.read, 0.0)
+
+
+def _stand_in(model: nn.Module, stand_ins: Mapping[str, tuple[nn.Module, Reading]]) -> None:
+    """Set the plain layer each read subclass computes (in a Padded where it pads) at its
+    name."""
+    for name, (_, read) in stand_ins.items():
+        set_submodule(model, name, read.around(read.layer))
+
+
+def _put_back(model: nn.Module, stand_ins: Mapping[str, tuple[nn.Module, Reading]],
+              replaced: set[str]) -> None:
+    """Set each read subclass back at its name, where its layer was not replaced."""
+    for name, (original, read) in stand_ins.items():
+        if (name if read.pad is None else f"{name}.layer") not in replaced:
+            set_submodule(model, name, original)
 
 
 def _swap(model: nn.Module, wanted: Mapping[str, nn.Module]) -> None:

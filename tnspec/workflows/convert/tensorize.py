@@ -193,7 +193,8 @@ def tensorize(model: nn.Module, format: str = "tucker2", *, rank: int | float = 
         try:
             if name in left_alone:
                 raise SpecError(left_alone[name])
-            original, module = module, check_forward(module)
+            original, read = module, check_forward(module)
+            module = read.layer
             fit_error = None
             if error is not None:
                 new, fit_error = _smallest(module, format, init, act, options, error,
@@ -212,10 +213,8 @@ def tensorize(model: nn.Module, format: str = "tucker2", *, rank: int | float = 
             note = (f"the weight is all zero: cores at their Graph-in scale with "
                     f"{decompose.output_core(new.network)} zeroed, so that it still trains")
         _keep_state(original, new)
-        set_submodule(model, name, new)
-        if original is not module:
-            note = "; ".join(filter(None, [note, f"a {type(original).__name__} that pads in its "
-                                           "forward: as the plain conv it computes"]))
+        set_submodule(model, name, read.around(new))
+        note = "; ".join(filter(None, [note, read.note(original, "as")]))
         replaced.append(Replacement(name, repr(module), new.spec,
                                     sum(p.numel() for p in module.parameters()),
                                     sum(p.numel() for p in new.parameters()), str(act), source,
