@@ -248,3 +248,32 @@ def test_compress_that_raises_puts_every_subclass_back(error):
                         fit={"max_iter": 10})
     assert unchanged(before, net)
     assert type(net[0]) is DynamicSame and type(net[4]) is StdConv
+
+
+def test_efficientnet_pytorch_convs_are_all_read():
+    """The library's own classes (EfficientNet-PyTorch, whose checkpoints are ported from
+    TensorFlow): every conv of EfficientNet-B0, static "same" padding at image size 224, is
+    adapted exactly at init, the stride-2 stem keeps its (0, 1, 0, 1) pad when tensorized, and
+    the dynamic variant is read as TensorFlow's pad per input size. (The architecture only:
+    its pretrained weights are downloaded, and these machines have no internet.)"""
+    efficientnet = pytest.importorskip("efficientnet_pytorch")
+    torch.manual_seed(0)
+    net = efficientnet.EfficientNet.from_name("efficientnet-b0").eval()
+    net.set_swish(memory_efficient=False)
+    convs = [m for m in net.modules() if isinstance(m, nn.Conv2d)]
+    assert len(convs) == 81 and {type(m).__name__ for m in convs} == {"Conv2dStaticSamePadding"}
+    x = torch.randn(1, 3, 64, 64)
+    with torch.no_grad():
+        want = net(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        adapted, report = tnspec.adapt(copy.deepcopy(net), "low_rank", rank=4)
+    assert not report.skipped and len(report.adapted) == 82  # and the classifier
+    with torch.no_grad():
+        assert torch.equal(adapted(x), want)
+    stem = tnspec.tensorize(nn.Sequential(net._conv_stem), "tucker2", rank=0.5)[0][0]
+    assert isinstance(stem, Padded) and stem.pad.fixed == (0, 1, 0, 1)
+    dynamic = efficientnet.utils.get_same_padding_conv2d(image_size=None)(16, 32, 3, stride=2)
+    assert type(dynamic).__name__ == "Conv2dDynamicSamePadding"
+    read = check_forward(dynamic)
+    assert read.pad is not None and read.pad.fixed is None
