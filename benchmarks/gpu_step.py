@@ -133,7 +133,7 @@ def bert_variants(batch: int, tokens: int, device: torch.device, small: bool) ->
     for fmt in ("low_rank", "cp", "tt", "tr", "tt_lora"):
         rank = 8 if fmt == "low_rank" else share
         try:
-            model, _ = tnspec.adapt(base(), fmt, rank=rank,
+            model, _ = tnspec.adapt(base(), fmt, rank=rank, init="zero",
                                     include=lambda n, m: n.endswith(targets))
             out.append(Variant(f"tnspec {fmt} ({_params(model)})", model.to(device), (ids,),
                                loss))

@@ -204,7 +204,7 @@ def drift(fmt: str, share: float, rule: bool | str | None, steps: int = 60,
     torch.manual_seed(1)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model, _ = tnspec.adapt(nn.Sequential(base), fmt, rank=share,
+        model, _ = tnspec.adapt(nn.Sequential(base), fmt, rank=share, init="zero",
                                 step_rule="spectral" if rule == "step_rule" else None)
     if rule == "step_rule":
         rule = None

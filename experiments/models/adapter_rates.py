@@ -71,7 +71,9 @@ TNSPEC = (("low_rank", "low_rank", ""), ("cp", "cp", ""),
           ("tr offset +rule", "tr", "spectral+offset"),
           ("low_rank principal", "low_rank", "principal"), ("cp principal", "cp", "principal"),
           ("tucker2 principal", "tucker2", "principal"), ("tt principal", "tt", "principal"),
-          ("tr principal", "tr", "principal"), ("tt_lora principal", "tt_lora", "principal"))
+          ("tr principal", "tr", "principal"), ("tt_lora principal", "tt_lora", "principal"),
+          *((f"{f} default", f, "default") for f in ("low_rank", "cp", "tucker2", "tt", "tr",
+                                                     "tt_lora")))
 PEFT = ("peft-lora", "peft-loha", "peft-lokr")
 
 
@@ -85,10 +87,12 @@ def build(base: nn.Module, method: str, share: float) -> nn.Module:
     model = copy.deepcopy(base)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # modes of small channel counts
+        init = {} if "default" in steps else {  # "default": what adapt does unasked
+            "init": "principal" if "principal" in steps else
+            "offset" if "offset" in steps else "zero"}
         model = tnspec.adapt(model, fmt, rank=share, include=base_experiment._targets(model),
                              step_rule="spectral" if "spectral" in steps else None,
-                             init="principal" if "principal" in steps else
-                             "offset" if "offset" in steps else "zero")[0]
+                             **init)[0]
     if "raw" in steps:
         raw_at_init(model)
     return model
@@ -130,11 +134,12 @@ def train(model: nn.Module, data: tuple[torch.Tensor, ...], lr: float, epochs: i
 
 
 def _job(job: tuple) -> tuple:
-    """One run in a worker process: ``(method, share, lr, seed, base state, smoke)``."""
-    method, share, lr, seed, state, smoke = job
+    """One run in a worker process: ``(method, share, lr, seed, base state, smoke, "cnn" or
+    "mlp")``."""
+    method, share, lr, seed, state, smoke, kind = job
     torch.set_num_threads(1)
     task = base_experiment.rotated(_images(smoke))
-    base = base_experiment.cnn()
+    base = getattr(base_experiment, kind)()
     base.load_state_dict(state)
     base.requires_grad_(False)
     torch.manual_seed(seed)
@@ -157,13 +162,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--out", default=None,
                         help="the results file's name (default: adapter_rates[_shares])")
+    parser.add_argument("--model", choices=("cnn", "mlp"), default="cnn",
+                        help="the digits CNN (3 adapted layers) or MLP (3 linear layers)")
     parser.add_argument("--methods", nargs="+", default=None,
                         help="a subset of the methods (names as in the table)")
     args = parser.parse_args(argv)
     started = time.time()
     images = _images(args.smoke)
     torch.manual_seed(0)
-    base = base_experiment.cnn()
+    base = getattr(base_experiment, args.model)()
     base_experiment.fit(base.requires_grad_(True), images, 1e-3, 1 if args.smoke else 20, 0)
     base.requires_grad_(False)
     task = base_experiment.rotated(images)
@@ -172,7 +179,8 @@ def main(argv: list[str] | None = None) -> int:
         (list(PEFT) if base_experiment.peft_available() else [])
     seeds, rates = ((0,), (1e-2,)) if args.smoke else (SEEDS, RATES)
     state = base.state_dict()
-    jobs = [(m, s, lr, seed, state, args.smoke) for s in args.shares for m in methods
+    jobs = [(m, s, lr, seed, state, args.smoke, args.model) for s in args.shares
+            for m in methods
             for lr in rates for seed in seeds]
     results = {}
     with ProcessPoolExecutor(args.workers, mp_context=multiprocessing.get_context("spawn")) \
@@ -182,8 +190,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{method:>16} {share:.1%} lr {lr:g} seed {seed}: {acc:.3f}"
                   + ("" if finite else " (loss not finite)"), flush=True)
     total = sum(p.numel() for p in base.parameters())
-    text = ["# Adapters at every rate, with and without the step rule (digits CNN, rotated "
-            "90 degrees)\n",
+    text = ["# Adapters at every rate, with and without the step rule (digits "
+            f"{args.model.upper()}, rotated 90 degrees)\n",
             f"Adam, 10 epochs of batch 64, seeds {', '.join(map(str, seeds))}; test accuracy "
             "on the 360 rotated test digits, mean over seeds (the lowest seed in brackets); "
             f"{before:.3f} before adapting. Diverged: runs with a loss that is not finite or "

@@ -145,7 +145,8 @@ def adapted(base: nn.Module, method: str, share: float) -> nn.Module:
     if method in tnspec.formats.NAMES:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # modes of small channel counts
-            return tnspec.adapt(model, method, rank=share, include=_targets(model))[0]
+            return tnspec.adapt(model, method, rank=share, include=_targets(model),
+                                init="zero")[0]
     budget = share * sum(base.get_submodule(n).weight.numel() for n in _targets(base))
     best = None
     for r in range(1, 65):  # the largest rank within the budget
@@ -201,7 +202,7 @@ def geometry_table() -> str:
     one (adapter cores random, rank 2), or why it does not run."""
     import peft
     methods: dict[str, Callable[[nn.Module], nn.Module]] = {
-        f"tnspec {f}": (lambda m, f=f: tnspec.adapt(m, f, rank=2)[0]) for f in ("low_rank", "tt")}
+        f"tnspec {f}": (lambda m, f=f: tnspec.adapt(m, f, rank=2, init="zero")[0]) for f in ("low_rank", "tt")}
     methods.update({
         "PEFT LoRA": lambda m: peft.get_peft_model(m, peft.LoraConfig(
             r=2, target_modules=["0"], init_lora_weights=False)),
@@ -250,7 +251,8 @@ def merge_precision() -> str:
                 x = torch.randn(shape, dtype=torch.float64)
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
-                    model = tnspec.adapt(nn.Sequential(make()).double(), fmt, rank=2)[0]
+                    model = tnspec.adapt(nn.Sequential(make()).double(), fmt, rank=2,
+                                         init="zero")[0]
                 with torch.no_grad():
                     for p in model.parameters():
                         if p.requires_grad:

@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             per_layer = (budget - head) / dense  # the adapters' share of the 1x1 convs
             net, _ = tnspec.adapt(net, fmt, rank=per_layer, include=pointwise,
-                                  modules_to_save=["classifier.1"])
+                                  modules_to_save=["classifier.1"], init="zero")
         trainable = sum(p.numel() for p in net.parameters() if p.requires_grad)
         acc, per_step = fine_tune(net, data, steps, seed=0, lr=1e-3)
         tuned.append((fmt, f"{trainable:,} ({trainable / total:.2%})", acc,

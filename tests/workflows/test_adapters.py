@@ -22,13 +22,14 @@ FORMATS = ("low_rank", "cp", "tucker2", "tt", "tr")
 EXACT = FORMATS + ("tt_lora",)  # exact zero at init and exact merge: every adapter format
 
 
-def _adapted(geometry: str, fmt: str, rank: int = 2, seed: int = 0):
+def _adapted(geometry: str, fmt: str, rank: int = 2, seed: int = 0, init: str = "zero"):
     make, shape = GEOMETRIES[geometry]
     torch.manual_seed(seed)
     base = make()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # a tt of 4 channels as (2, 2) modes at rank 2 is tiny
-        model, report = tnspec.adapt(nn.Sequential(copy.deepcopy(base)), fmt, rank=rank)
+        model, report = tnspec.adapt(nn.Sequential(copy.deepcopy(base)), fmt, rank=rank,
+                                     init=init)
     assert not report.skipped, report.skipped
     return base, model, shape
 
@@ -55,12 +56,33 @@ def test_adapted_equals_base_bit_for_bit_at_init_and_merges_exactly(geometry, fm
 
 
 @pytest.mark.parametrize("fmt", EXACT)
+@pytest.mark.parametrize("geometry", sorted(GEOMETRIES))
+def test_the_default_start_is_exact_without_autograd_and_to_rounding_with_it(geometry, fmt):
+    """The default (``init="offset"``): every core drawn, a frozen copy subtracted. Without
+    autograd the model computes the base's output bit for bit; while autograd records, a
+    matmul may take another kernel for a weight that requires grad, so within rounding."""
+    make, shape = GEOMETRIES[geometry]
+    torch.manual_seed(0)
+    base = make()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model, report = tnspec.adapt(nn.Sequential(copy.deepcopy(base)), fmt, rank=2)
+    assert report.adapted[0].init == "offset" and "default" in model[0].offsets
+    x = torch.randn(shape)
+    with torch.no_grad():
+        assert torch.equal(model(x), base(x))
+        assert torch.equal(model(x[0]), base(x[0]))
+    want = base(x)
+    torch.testing.assert_close(model(x), want, rtol=1e-5, atol=1e-6 * float(want.abs().max()))
+
+
+@pytest.mark.parametrize("fmt", EXACT)
 def test_an_optimizer_step_changes_only_adapter_parameters_and_every_core_learns_by_step_2(fmt):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(4, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
                           nn.Conv2d(8, 8, 3, stride=2, padding=1, padding_mode="reflect"),
                           nn.Flatten(), nn.LayerNorm(8 * 9), nn.Linear(8 * 9, 5))
-    model, report = tnspec.adapt(model, fmt, rank=2)
+    model, report = tnspec.adapt(model, fmt, rank=2, init="zero")
     assert len(report.adapted) == 3
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
@@ -84,7 +106,7 @@ def test_an_optimizer_step_changes_only_adapter_parameters_and_every_core_learns
 def _update_size(fmt: str, rank: float, layer: nn.Module, x: torch.Tensor, scaled: bool) -> float:
     """The adapter's output std after 5 Adam steps (lr 1e-3), relative to the base's."""
     torch.manual_seed(1)
-    model, _ = tnspec.adapt(copy.deepcopy(layer), fmt, rank=rank)
+    model, _ = tnspec.adapt(copy.deepcopy(layer), fmt, rank=rank, init="zero")
     if not scaled:
         model.scaling["default"] = 1.0
     target = layer(x).detach() + 0.3 * torch.randn_like(layer(x))
@@ -122,7 +144,8 @@ def test_the_adapter_reaches_scale_times_the_base_variance_at_the_zero_cores_gra
         ratios = []
         for seed in range(12):
             torch.manual_seed(seed)
-            model, report = tnspec.adapt(copy.deepcopy(base), fmt, rank=0.1, scale=0.25)
+            model, report = tnspec.adapt(copy.deepcopy(base), fmt, rank=0.1, scale=0.25,
+                                         init="zero")
             zeroed = getattr(model.adapters["default"], report.adapted[0].zeroed)
             with torch.no_grad():  # in units of its Graph-in std: std 1
                 zeroed.normal_()
@@ -144,7 +167,8 @@ def test_a_very_small_or_large_base_weight_gets_an_adapter_of_its_scale(magnitud
     ratios = []
     for seed in range(8):
         torch.manual_seed(seed)
-        model, report = tnspec.adapt(copy.deepcopy(base), "cp", rank=4, scale=0.25)
+        model, report = tnspec.adapt(copy.deepcopy(base), "cp", rank=4, scale=0.25,
+                                     init="zero")
         zeroed = getattr(model.adapters["default"], report.adapted[0].zeroed)
         with torch.no_grad():
             zeroed.normal_()
@@ -156,7 +180,7 @@ def test_state_dict_holds_only_adapters_and_reloads_onto_a_fresh_model():
     torch.manual_seed(0)
     fresh = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1, padding_mode="circular"), nn.ReLU(),
                           nn.Flatten(), nn.Linear(8 * 36, 4))
-    model, _ = tnspec.adapt(copy.deepcopy(fresh), "tr", rank=3)
+    model, _ = tnspec.adapt(copy.deepcopy(fresh), "tr", rank=3, init="zero")
     with torch.no_grad():
         for p in model.parameters():
             if p.requires_grad:

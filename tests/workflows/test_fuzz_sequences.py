@@ -138,12 +138,16 @@ class Workflows(RuleBasedStateMachine):
 
     @rule(fmt=st.sampled_from(["low_rank", "cp", "tucker2", "tt", "tr"]),
           name=st.sampled_from(NAMES), rank=st.sampled_from([1, 2, 0.5, 0]),  # 0: refused
-          step_rule=st.sampled_from([None, "spectral"]), init=st.sampled_from(["zero", "offset"]))
-    def adapt(self, fmt: str, name: str, rank: float, step_rule: str | None, init: str) -> None:
-        # the new adapter is zero and becomes the active one: the outputs stay where none was
+          step_rule=st.sampled_from([None, "spectral"]),
+          init=st.sampled_from([None, "zero", "offset", "principal"]))
+    def adapt(self, fmt: str, name: str, rank: float, step_rule: str | None,
+              init: str | None) -> None:
+        # the new adapter adds nothing at init (None: adapt's default start) and becomes the
+        # active one: the outputs stay where none was
         active = any(m.active for m in self.adapters())
+        given = {} if init is None else {"init": init}
         self.attempt(lambda m: tnspec.adapt(m, fmt, rank=rank, name=name, step_rule=step_rule,
-                                            init=init)[0], not active)
+                                            **given)[0], not active)
 
     @rule(name=st.sampled_from(NAMES + ("typo",)))
     def set_adapter(self, name: str) -> None:

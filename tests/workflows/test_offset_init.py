@@ -80,12 +80,12 @@ def test_every_core_learns_from_the_first_step_where_a_zero_core_blocks_them(fmt
 
 
 def test_the_frozen_copy_never_trains_and_adds_no_trainable_parameter():
-    zero, report = tnspec.adapt(_small(), "tt", rank=0.3)
+    zero, report = tnspec.adapt(_small(), "tt", rank=0.3, init="zero")
     model, offset_report = tnspec.adapt(_small(), "tt", rank=0.3, init="offset")
     assert offset_report.trainable == report.trainable
     assert "less its frozen copy at init" in str(offset_report)
     assert "starts at zero" in str(report)
-    tnspec.adapt(model, "cp", rank=0.3, name="other")
+    tnspec.adapt(model, "cp", rank=0.3, name="other", init="zero")
     tnspec.set_adapter(model, "default")
     assert not any(p.requires_grad for p in model[0].offsets.parameters())
     assert set(model[0].offsets) == {"default"}  # the cp adapter was built with a zero core
@@ -151,7 +151,7 @@ def test_hotswap_writes_the_frozen_copy_and_refuses_a_zero_init_adapter():
     with pytest.raises(tnspec.SpecError, match=r"layer '3': offsets core A is missing"):
         tnspec.hotswap(model, without, tnspec.adapter_config(other))
     assert unchanged(before, model)  # layer 0's writes were checked, not made
-    zero, _ = tnspec.adapt(_small(), "tt", rank=0.3)
+    zero, _ = tnspec.adapt(_small(), "tt", rank=0.3, init="zero")
     before = snapshot(zero)
     with pytest.raises(tnspec.SpecError, match="the saved adapter's init is 'offset', adapter "
                        "'default' has 'zero'"):
@@ -215,3 +215,31 @@ def test_the_principal_start_fits_the_base_weights_principal_part_and_cancels_it
     peft.set_peft_model_state_dict(lora, export.state)
     with torch.no_grad():
         torch.testing.assert_close(lora(x), trained, rtol=1e-4, atol=1e-5)
+
+
+def test_the_default_start_shares_the_scale_out_over_the_adapted_layers():
+    """Unasked, ``adapt`` draws every core and gives each of ``n`` layers ``min(1, 4 / n)``
+    of its base's output variance (docs/adapters.md, "The default start"): the drawn
+    adapters' variance over the base's, measured with the frozen copy set aside, follows."""
+    from tnspec.workflows.adapters.adapt import drawn_scale
+    assert drawn_scale("offset", 3) == 1.0 and drawn_scale("principal", 36) == 4 / 36
+    assert drawn_scale("zero", 36) == 1.0
+
+    def net(n: int) -> nn.Sequential:
+        torch.manual_seed(0)
+        return nn.Sequential(*[nn.Linear(64, 64) for _ in range(n)])
+    ratios = {}
+    for n in (2, 16):
+        model, report = tnspec.adapt(net(n), "cp", rank=8)
+        assert report.scale == min(1.0, 4 / n)
+        assert all(a.init == "offset" for a in report.adapted)
+        assert ("scale" in str(report).splitlines()[0]) == (n > 4)
+        x = torch.randn(512, 64)
+        layer = model[0]
+        with torch.no_grad():  # the drawn adapter alone: its copy is what cancels it at init
+            drawn = layer.scaling["default"] * layer.adapters["default"](x)
+            ratios[n] = float(drawn.var() / layer.base(x).var())
+    assert 0.6 < ratios[16] / ratios[2] / 0.25 < 1.6, ratios
+    _, zero = tnspec.adapt(net(16), "cp", rank=8, init="zero")
+    _, given = tnspec.adapt(net(16), "cp", rank=8, scale=0.5)
+    assert zero.scale == 1.0 and given.scale == 0.5

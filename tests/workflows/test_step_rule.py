@@ -24,6 +24,9 @@ FORMATS = ("low_rank", "cp") + BOUNDED
 
 
 def _adapt(model: nn.Module, fmt: str, rank: float | int, **kw) -> nn.Module:
+    """The zero-core start unless ``init=`` says otherwise: the bounds are checked bit for bit
+    under autograd, which only it gives."""
+    kw.setdefault("init", "zero")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # modes of small channel counts
         return tnspec.adapt(model, fmt, rank=rank, step_rule="spectral", **kw)[0]
@@ -95,7 +98,7 @@ def _trained(fmt: str, seed: int, rule: str | None = "spectral") -> nn.Module:
                          nn.Linear(8 * 5 * 5, 4))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model, _ = tnspec.adapt(base, fmt, rank=0.5, step_rule=rule)
+        model, _ = tnspec.adapt(base, fmt, rank=0.5, step_rule=rule, init="zero")
     torch.manual_seed(seed)
     with torch.no_grad():
         for p in model.parameters():

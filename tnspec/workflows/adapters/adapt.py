@@ -3,15 +3,15 @@ pretrained model. Each targeted ``nn.Linear`` / ``nn.Conv1d/2d/3d`` becomes an
 :class:`Adapted` module: the original module (frozen, untouched) plus named tnspec layers of
 the same geometry whose outputs are added.
 
-The init rule (docs/adapters.md): the adapter's cores other than one are drawn by Graph-in for
-an output variance of ``scale`` times the base layer's (read from its weight: ``||W||^2 / out``
-for unit-variance inputs); the remaining core (the output-side one by default) starts at zero,
-so that adapting changes no output bit, and is stored in units of its Graph-in std: the
-adapter's output is multiplied by that std. An optimizer step that moves each element of the
-zero core by about ``lr`` then moves the output by an amount that depends on neither the rank
-nor the format. With ``init="offset"`` that core is drawn too and a frozen copy of the adapter
-at init is subtracted, so that every core learns from the first step (``adapter_layers``
-builds one layer). ``adapter_state`` holds merging, saving and switching.
+The init rule (docs/adapters.md): the adapter's cores are drawn by Graph-in for an output
+variance of ``scale`` times the base layer's (read from its weight: ``||W||^2 / out`` for
+unit-variance inputs), one of them (the output-side one by default) stored in units of its
+Graph-in std, the adapter's output multiplied by that std. By default (``init="offset"``) a
+frozen copy of the adapter at init is subtracted, so that adapting changes no output and
+every core learns from the first step, and ``scale`` is shared out over the adapted layers
+(:func:`drawn_scale`); with ``init="zero"`` that one core starts at zero instead
+(``adapter_layers`` builds one layer). ``adapter_state`` holds merging, saving and
+switching.
 """
 
 from __future__ import annotations
@@ -33,6 +33,10 @@ from ..left_alone import read_directly
 from ..model_tree import Selector, first_skipped, parameter_holders, selected, set_submodule
 from .layers import INITS, Fmt, adapter_layer
 from . import step_rule as step_rule_
+
+#: where every core is drawn, the output variance all of a model's adapters hold together, in
+#: units of one base layer's: each of ``n`` adapted layers gets ``scale = min(1, 4 / n)``
+DRAWN_TOTAL = 4.0
 
 
 @dataclass(frozen=True)
@@ -65,11 +69,13 @@ class AdaptReport:
     total: int  # every parameter of the model, adapters included
     saved: tuple[tuple[str, int], ...] = ()  # modules_to_save: (name, parameters)
     unreached: tuple[str, ...] = ()  # adapted layers a forward of ``sample`` never called
+    scale: float = 1.0  # each adapter's output variance over its base layer's
 
     def __str__(self) -> str:
         lines = [f"adapt: {self.adapter!r} ({self.format}) on {len(self.adapted)} layer(s), "
                  f"{len(self.skipped)} skipped; {self.trainable:,} of {self.total:,} parameters "
-                 f"train ({100 * self.trainable / max(self.total, 1):.2f}%)"]
+                 f"train ({100 * self.trainable / max(self.total, 1):.2f}%)"
+                 + ("" if self.scale == 1 else f"; scale {self.scale:.3g} each")]
         for a in self.adapted:
             lines.append(f"  {a.name}: {a.base}")
             lines.append(f"      {a.params:,} trainable ({100 * a.share:.2f}% of its "
@@ -89,10 +95,10 @@ class AdaptReport:
 
 
 def adapt(model: nn.Module, fmt: Fmt = "low_rank", *, rank: int | float | None = None,
-          include: Selector = None, exclude: Selector = None, scale: float = 1.0,
+          include: Selector = None, exclude: Selector = None, scale: float | None = None,
           name: str = "default", zero: str | None = None,
           sizes: Mapping[str, int] | None = None, modules_to_save: Selector = None,
-          step_rule: str | None = None, init: str = "zero", sample: Any = None,
+          step_rule: str | None = None, init: str = "offset", sample: Any = None,
           **options: Any) -> tuple[nn.Module, AdaptReport]:
     """Add adapter ``name`` to every ``nn.Linear`` / ``nn.Conv1d/2d/3d`` of ``model`` selected by
     ``include``/``exclude`` (as :func:`tnspec.tensorize`), in place: each becomes an
@@ -111,22 +117,26 @@ def adapt(model: nn.Module, fmt: Fmt = "low_rank", *, rank: int | float | None =
     call that would adapt no layer (an unknown format, a rank that is no rank, a name every
     layer has already) raises a SpecError saying why, and leaves the model as it was.
 
-    At init the adapter is exactly zero (its core ``zero``, by default the output-side one, is
-    zero), so the model computes what it did, bit for bit. Once the zero core reaches its
-    Graph-in scale, the adapter's output variance is ``scale`` times the base layer's.
+    By default (``init="offset"``) every core is drawn by Graph-in and a frozen copy of the
+    adapter as drawn is subtracted (``Adapted.offsets``): the model computes the base's
+    output at init, bit for bit without autograd and to float rounding with it (a matmul may
+    pick another kernel for a weight that requires grad), and every core gets a gradient from
+    the first step (the copy costs one more forward of the adapter, no trainable parameter).
+    The drawn adapter's output variance is ``scale`` times the base layer's; without
+    ``scale``, ``min(1, 4 / n)`` for ``n`` adapted layers (:func:`drawn_scale`), so that many
+    adapters together do not move the model faster than a few: at ``scale=1`` a transformer's
+    36 adapters each changed their layer's output by 12-37% in 10 steps and the model's
+    embedding collapsed (docs/adapters.md, "The default start"). ``init="zero"`` starts the
+    core ``zero`` (by default the output-side one) at zero instead, ``scale=1``: exact bit for
+    bit in both modes, but only that core learns at first, and on a conv network four of
+    five formats stayed near chance. ``init="principal"`` fits the cores to the base weight's
+    principal part in the format (the truncated SVD for ``low_rank``: PiSSA's start, for any
+    format) and subtracts a frozen copy likewise: the model computes ``W + scaling (A -
+    A0)``, which is PiSSA's ``(W - A0) + A`` with the base weight left as it is (nothing to
+    restore when merging or saving; the copy is saved with the adapter).
     ``step_rule="spectral"`` holds the adapter's inner cores (those with two bonds or more) at
     their init spectral norm while they train, so that a chain's or ring's cores cannot
     align to grow the product by orders of magnitude (:mod:`~tnspec.workflows.adapters.step_rule`).
-    ``init="offset"`` draws the zero core too and subtracts a frozen copy of the adapter as
-    drawn (``Adapted.offsets``): still the base's output at init (bit for bit without
-    autograd, to float rounding with it: a matmul may pick another kernel for a weight that
-    requires grad), but every core gets a gradient from the first step, where a zero core
-    blocks its neighbours' (the copy costs one more forward of the adapter, no trainable
-    parameter). ``init="principal"`` fits the cores to the base weight's principal part in
-    the format (the truncated SVD for ``low_rank``: PiSSA's start, for any format) and
-    subtracts a frozen copy likewise: the model computes ``W + scaling (A - A0)``, which is
-    PiSSA's ``(W - A0) + A`` with the base weight left as it is (nothing to restore when
-    merging or saving; the copy is saved with the adapter, as for ``"offset"``).
 
     ``modules_to_save`` (names, glob patterns or a function of ``(name, module)``, as
     ``include``; a name also matches at the end of a longer one, ``"classifier"`` matching
@@ -147,14 +157,15 @@ def adapt(model: nn.Module, fmt: Fmt = "low_rank", *, rank: int | float | None =
     ...                     nn.Flatten(), nn.Linear(16 * 8 * 8, 10))
     >>> net, report = adapt(net, "tt", rank=4)
     >>> print(report)
-    adapt: 'default' (tt) on 2 layer(s), 0 skipped; 1,092 of 11,934 parameters train (9.15%)
+    adapt: 'default' (tt) on 2 layer(s), 0 skipped; 1,092 of 13,026 parameters train (8.38%)
       0: Conv2d(4, 16, kernel_size=(3, 3), stride=(1, 1), padding=(1, 1), padding_mode=reflect)
-          196 trainable (33.11% of its 592), C starts at zero
+          196 trainable (33.11% of its 592), less its frozen copy at init
       3: Linear(in_features=1024, out_features=10, bias=True)
-          896 trainable (8.74% of its 10,250), B starts at zero
+          896 trainable (8.74% of its 10,250), less its frozen copy at init
     """
-    if not (isinstance(scale, (int, float)) and not isinstance(scale, bool) and scale > 0 and
-            math.isfinite(scale)):
+    if scale is not None and not (isinstance(scale, (int, float)) and
+                                  not isinstance(scale, bool) and scale > 0 and
+                                  math.isfinite(scale)):
         raise SpecError(f"scale={scale!r} must be a positive number",
                         hint="the adapter's output variance as a share of the base layer's")
     if not isinstance(name, str) or not name.isidentifier():
@@ -177,19 +188,11 @@ def adapt(model: nn.Module, fmt: Fmt = "low_rank", *, rank: int | float | None =
     adapted, skipped, wrapped = [], [], {}
     left_alone = read_directly(model)
     holders = parameter_holders(model)
-    inside = inside_adapted(model)  # an adapter's own layers, a base: not adapted again
+    chosen = _chosen(model, include, exclude, to_save)
+    if scale is None:
+        scale = drawn_scale(init, len({id(m) for _, m, _ in chosen}))
     root = None
-    for path, module in list(model.named_modules(remove_duplicate=False)):
-        if isinstance(module, Adapted):
-            module, owner = module.base, module
-        elif is_dense(module) and not isinstance(module, Layer) and \
-                id(module) not in inside:
-            owner = None
-        else:
-            continue
-        if not selected(path, module, include, exclude) or \
-                any(path == p or path.startswith(p + ".") for p, _ in to_save):
-            continue
+    for path, module, owner in chosen:
         if id(module) in wrapped:  # one module under several names: one Adapted for all
             owner = wrapped[id(module)][0]
             if path:
@@ -252,8 +255,37 @@ def adapt(model: nn.Module, fmt: Fmt = "low_rank", *, rank: int | float | None =
                                sum(p.numel() for p in params if p.requires_grad),
                                sum(p.numel() for p in params),
                                tuple((path, sum(p.numel() for p in m.parameters()))
-                                     for path, m in to_save), unreached)
+                                     for path, m in to_save), unreached, scale)
 
+
+
+def drawn_scale(init: str, layers: int) -> float:
+    """``adapt``'s ``scale`` where none is given: 1 for a zero core; where every core is drawn
+    (``"offset"``, ``"principal"``), ``DRAWN_TOTAL / layers``, at most 1, so that the drawn
+    adapters of a model together hold the output variance of ``DRAWN_TOTAL`` of its layers
+    (docs/adapters.md, "The default start")."""
+    return 1.0 if init == "zero" else min(1.0, DRAWN_TOTAL / max(layers, 1))
+
+
+def _chosen(model: nn.Module, include: Selector, exclude: Selector,
+            to_save: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module, Any]]:
+    """``(path, layer, its Adapted or None)`` for every layer ``include``/``exclude`` select,
+    each name of a shared one: a dense layer, or the base of an :class:`Adapted` (an
+    adapter's own layers and the modules trained in full aside)."""
+    inside = inside_adapted(model)  # an adapter's own layers, a base: not adapted again
+    found = []
+    for path, module in list(model.named_modules(remove_duplicate=False)):
+        if isinstance(module, Adapted):
+            module, owner = module.base, module
+        elif is_dense(module) and not isinstance(module, Layer) and \
+                id(module) not in inside:
+            owner = None
+        else:
+            continue
+        if selected(path, module, include, exclude) and \
+                not any(path == p or path.startswith(p + ".") for p, _ in to_save):
+            found.append((path, module, owner))
+    return found
 
 
 def _called(model: nn.Module, sample: Any) -> dict[str, bool]:

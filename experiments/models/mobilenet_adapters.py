@@ -1,0 +1,108 @@
+"""Adapters on MobileNetV2's 1x1 convs (ImageNet weights, Fashion-MNIST at 96x96), every
+tnspec format with ``adapt``'s default start and with ``init="zero"``, against PEFT's LoRA at
+the same trainable parameters, at three learning rates: the task of
+``experiments.models.mobilenet_fashion``, part 2 (150 steps of 32, AdamW, the new head
+trained in full; test accuracy on 1,000 images).
+
+    python -m experiments.models.mobilenet_adapters          # one seed: ~25 min on 2 cores
+    python -m experiments.models.mobilenet_adapters --seeds 3
+    python -m experiments.models.mobilenet_adapters --smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+import tnspec
+
+from .. import assets
+from . import mobilenet
+from .mobilenet_fashion import fine_tune, pointwise, with_head
+from ..common import markdown_table, save
+
+FORMATS = ("low_rank", "cp", "tucker2", "tt", "tr", "tt_lora")
+RATES = (1e-3, 3e-3, 1e-2)
+
+
+def build(method: str, share: float) -> tuple[torch.nn.Module, int]:
+    """The model with ``method``'s adapters (``"<format> default"``, ``"<format> zero"``,
+    ``"head only"`` or ``"PEFT LoRA"``) and its trainable parameters."""
+    net = with_head()
+    # 1% of the ImageNet network's parameters, as experiments.models.mobilenet_fashion counts
+    total = sum(p.numel() for p in mobilenet.pretrained().parameters())
+    head = 1280 * 10 + 10
+    dense = sum(p.numel() for n, m in net.named_modules() if pointwise(n, m)
+                for p in m.parameters())
+    budget = share * total
+    if method == "head only":
+        net.requires_grad_(False)
+        net.classifier[1].requires_grad_(True)
+    elif method == "PEFT LoRA":
+        import peft
+        names = [n for n, m in net.named_modules() if pointwise(n, m)]
+        per_rank = sum(m.in_channels + m.out_channels for n, m in net.named_modules()
+                       if pointwise(n, m))
+        r = max(1, round((budget - head) / per_rank))
+        net = peft.get_peft_model(net, peft.LoraConfig(
+            r=r, lora_alpha=r, target_modules=names, modules_to_save=["classifier.1"]))
+    else:
+        fmt, start = method.split()
+        net, _ = tnspec.adapt(net, fmt, rank=(budget - head) / dense, include=pointwise,
+                              modules_to_save=["classifier.1"],
+                              **({} if start == "default" else {"init": start}))
+    return net, sum(p.numel() for p in net.parameters() if p.requires_grad)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="a tiny version")
+    parser.add_argument("--seeds", type=int, default=1, help="how many seeds (1)")
+    parser.add_argument("--methods", nargs="+", default=None,
+                        help="'<format> default', '<format> zero', 'head only', 'PEFT LoRA'")
+    parser.add_argument("--out", default="mobilenet_adapters", help="the results file's name")
+    args = parser.parse_args(argv)
+    started = time.time()
+    n_train, n_test, steps, size = (64, 64, 2, 32) if args.smoke else (3000, 1000, 150, 96)
+    images, labels = assets.fashion_mnist("train", n_train)
+    test_images, test_labels = assets.fashion_mnist("test", n_test)
+    data = (mobilenet.fashion_inputs(images, size), labels,
+            mobilenet.fashion_inputs(test_images, size), test_labels)
+    methods = args.methods or (("low_rank default", "PEFT LoRA") if args.smoke else
+                               ("head only", *(f"{f} default" for f in FORMATS),
+                                *(f"{f} zero" for f in FORMATS), "PEFT LoRA"))
+    rates = (1e-2,) if args.smoke else RATES
+    seeds = range(args.seeds)
+    rows = []
+    for method in methods:
+        cells, trainable = [], 0
+        for lr in rates:
+            accs = []
+            for seed in seeds:
+                net, trainable = build(method, 0.01)
+                acc, _ = fine_tune(net, data, steps, seed=seed, lr=lr)
+                accs.append(acc)
+                print(method, lr, seed, f"{acc:.3f}", flush=True)
+            cells.append(f"{statistics.mean(accs):.3f}" + (f" ({min(accs):.3f})"
+                                                           if len(accs) > 1 else ""))
+        rows.append((method, f"{trainable:,}", *cells))
+    text = ("# Adapters on MobileNetV2's 1x1 convs, Fashion-MNIST, three rates\n\n"
+            f"ImageNet MobileNetV2, {n_train:,} training / {n_test:,} test images at "
+            f"{size}x{size}; adapters on the 34 1x1 convs of the features at about 1% of the "
+            f"network with the new head, trained in full; {steps} steps of 32, AdamW; test "
+            f"accuracy, mean over {len(seeds)} seed(s)"
+            + (" (the lowest in brackets)" if len(seeds) > 1 else "") + ". default: `adapt` "
+            "unasked (every core drawn, a frozen copy subtracted, `scale = min(1, 4 / n)`); "
+            "zero: `init=\"zero\"`.\n\n"
+            + markdown_table(["method", "trainable", *(f"lr {lr:g}" for lr in rates)], rows))
+    print(text)
+    if not args.smoke:
+        print(f"wrote {save(args.out, text, started)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
