@@ -258,7 +258,6 @@ def adapt(model: nn.Module, fmt: Fmt = "low_rank", *, rank: int | float | None =
                                      for path, m in to_save), unreached, scale)
 
 
-
 def drawn_scale(init: str, layers: int) -> float:
     """``adapt``'s ``scale`` where none is given: 1 for a zero core; where every core is drawn
     (``"offset"``, ``"principal"``), ``DRAWN_TOTAL / layers``, at most 1, so that the drawn
@@ -310,6 +309,7 @@ def _called(model: nn.Module, sample: Any) -> dict[str, bool]:
         for hook in hooks:
             hook.remove()
     return {name: id(m) in seen for name, m in modules.items()}
+
 
 def _to_save(model: nn.Module, selector: Selector, name: str) -> list[tuple[str, nn.Module]]:
     """The modules ``modules_to_save`` selects (the outermost of nested matches), checked:
