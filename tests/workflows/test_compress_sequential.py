@@ -160,3 +160,27 @@ def test_healing_with_nothing_to_train_says_so():
     assert report.healed.steps == 0 and not report.healed.kept
     assert "not healed: nothing to train (no layer replaced, or each frozen" in str(report)
     assert not any(p.requires_grad for p in model.parameters())
+
+
+def test_the_first_sensitivity_measure_takes_at_most_a_fifth_of_max_seconds(ticking):
+    """Every forward costs 5 "seconds" (a model whose passes are slow, or a busy machine):
+    measuring 8 layers on 2 batches would take 90 of the 60 allowed. The measure stops at a
+    fifth of them, the layers it did not reach get the median sensitivity, and the call ends
+    within a tenth of the bound with a model that runs."""
+    from tnspec import progress
+    ticking(1.0)
+    torch.manual_seed(0)
+    net = nn.Sequential(*[m for _ in range(8) for m in (nn.Linear(16, 16), nn.Tanh())])
+
+    def slow(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+        for _ in range(4):
+            progress.now()
+        return model(batch)
+    data = [torch.randn(64, 16, generator=torch.Generator().manual_seed(s)) for s in (1, 2)]
+    model, report = tnspec.compress(net, 0.5, ("low_rank",), data=data, run=slow, fit=FAST,
+                                    max_seconds=60)
+    assert report.seconds <= 66
+    values = [c.sensitivity for c in report.choices]
+    median = sorted(values)[len(values) // 2]
+    assert values.count(median) >= 3  # the unmeasured layers, and the median layer itself
+    assert model(data[0]).shape == (64, 16)

@@ -24,7 +24,6 @@ than its dense layer (forward and backward, timed on this device) is never chose
 from __future__ import annotations
 
 import math
-import time
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
@@ -45,6 +44,7 @@ from . import observe
 from . import sequential as sequential_fit
 from .allocate import allocate
 from .report import Candidate, Choice, CompressReport
+from .timing import Clock, timed
 from .tensorize import _keep_state, _replacement
 
 FORMATS = ("low_rank", "cp", "tucker2", "tt", "tr")  # the cheaper fits first
@@ -80,7 +80,8 @@ def compress(model: nn.Module, budget: float = 0.25, formats: Sequence[str] = FO
     candidates slower than dense; ``timer(module, shape) -> seconds`` replaces that timing.
     ``max_seconds`` bounds the whole call: the formats are fitted one after the other over all
     layers, cheapest first, and the candidates left when the time is spent are not fitted (the
-    report says how many). ``prune``: a format whose candidates at a layer's two smallest shares
+    report says how many); the first sensitivity measure (a forward per layer and batch) stops
+    at a fifth of it, and the layers it did not reach get the median sensitivity. ``prune``: a format whose candidates at a layer's two smallest shares
     are each beaten (another format's candidate at that share has no larger error) is not
     fitted at that layer's larger shares: on MiniLM's linear layers the order of the formats
     held at every share (low-rank first), and the fits it saves are the slowest (tensor rings).
@@ -164,22 +165,26 @@ def compress(model: nn.Module, budget: float = 0.25, formats: Sequence[str] = FO
         progress = Progress("compress")
         seen = observe.inputs(model, layers, data, max_batches, run, called) \
             if data is not None else {}
-        sensitivity = observe.sensitivities(model, layers, data, run, called=called) \
-            if data is not None else {}
+        # under max_seconds the first measure takes up to a fifth of it; a layer it does not
+        # reach gets the median of those it did (the passes are a forward per layer and batch)
+        clock = Clock(started)
+        measure_end = math.inf if max_seconds is None else started + 0.2 * max_seconds
+        sensitivity = _filled(observe.sensitivities(
+            model, layers, data, run, called=called, left=lambda: clock.left(measure_end)),
+            layers, progress) if data is not None else {}
         targets = observe.outputs(model, data, run) if heal else []
         progress.line(f"{len(layers)} layer(s) to fit"
                       + (f", inputs recorded ({now() - started:.0f} s)" if data else ""))
         end = math.inf if max_seconds is None else started + max_seconds
         # the refits and the healing pass each take up to a fifth of max_seconds
         deadline = end - (0.2 * bool(sequential) + 0.2 * bool(heal)) * (max_seconds or 0)
-        clock = _Clock(started)
         choices, unfitted = [], 0
         for name, module in layers:
             dense_params = sum(p.numel() for p in module.parameters())
             shape = seen.get(name, (None, None))[0]
             # latency: timed on the input shape the layer saw; one the data never reached (an
             # auxiliary head) has none, and is left untimed
-            time_of = (timer or _timed) if latency and shape is not None else None
+            time_of = (timer or timed) if latency and shape is not None else None
             dense_seconds = time_of(module, shape) if time_of else None
             choices.append((name, dense_params,
                             [(Candidate("dense", 1.0, dense_params, 0.0, dense_seconds), None)],
@@ -192,7 +197,7 @@ def compress(model: nn.Module, budget: float = 0.25, formats: Sequence[str] = FO
             """``fmt`` at ``share`` fitted to the layer and added to its options; None where it
             is no candidate (no rank within the share, fitted before, slower or not smaller)."""
             shape, metric = seen.get(name, (None, None))
-            time_of = (timer or _timed) if latency and shape is not None else None
+            time_of = (timer or timed) if latency and shape is not None else None
             try:
                 new = _replacement(module, fmt, share, "graph-in", "linear", {})
             except SpecError:
@@ -339,22 +344,16 @@ def _apply(model: nn.Module, chosen: Mapping[str, nn.Module]) -> None:
         raise
 
 
-class _Clock:
-    """The jobs' clock, read for the time left before a limit, and no more once it is past:
-    under ``max_seconds`` the steps after the limit only wrap up."""
-
-    def __init__(self, started: float) -> None:
-        self.read = started  # the last reading
-        self.past: set[float] = set()
-
-    def left(self, limit: float) -> float:
-        """Seconds until ``limit`` (0 once it was found past)."""
-        if limit in self.past:
-            return 0.0
-        self.read = now()
-        if limit - self.read <= 0:
-            self.past.add(limit)
-        return max(limit - self.read, 0.0)
+def _filled(measured: dict[str, float], layers: list[tuple[str, nn.Module]],
+            progress: Progress) -> dict[str, float]:
+    """The sensitivities, the median of the measured ones for each layer left unmeasured."""
+    missing = [name for name, _ in layers if name not in measured]
+    if missing and measured:
+        progress.line(f"{len(missing)} layer(s) given the median sensitivity: max_seconds "
+                      "left no time to measure them")
+        middle = sorted(measured.values())[len(measured) // 2]
+        measured = {**measured, **{name: middle for name in missing}}
+    return measured
 
 
 def _stand_in(model: nn.Module, stand_ins: Mapping[str, tuple[nn.Module, Reading]]) -> None:
@@ -377,22 +376,3 @@ def _swap(model: nn.Module, wanted: Mapping[str, nn.Module]) -> None:
     for name, module in wanted.items():
         if model.get_submodule(name) is not module:
             set_submodule(model, name, module)
-
-
-def _timed(module: nn.Module, shape: tuple[int, ...] | None, repeats: int = 7) -> float:
-    """Median seconds of ``module``'s forward and backward on a random input of ``shape``
-    (own generator; a contiguous gradient, as a next layer gives)."""
-    first = next(module.parameters())
-    gen = torch.Generator(device=first.device).manual_seed(0)
-    x = torch.randn(shape, generator=gen, dtype=first.dtype, device=first.device)
-    x.requires_grad_(True)
-    params = [p for p in module.parameters() if p.requires_grad]  # a frozen layer's: none
-    spent = []
-    with torch.enable_grad():
-        for n in range(repeats + 2):  # two warm-up rounds: planning, autotuning
-            start = time.perf_counter()
-            y = module(x)
-            torch.autograd.grad(y, [x, *params], torch.ones_like(y))
-            if n >= 2:
-                spent.append(time.perf_counter() - start)
-    return sorted(spent)[len(spent) // 2]
