@@ -15,46 +15,14 @@ import argparse
 import statistics
 import time
 
-import torch
-
-import tnspec
-
 from .. import assets
 from . import mobilenet
-from .mobilenet_fashion import fine_tune, pointwise, with_head
+from .mobilenet_fashion import fine_tune, with_adapters
 from ..common import markdown_table, save
 
 FORMATS = ("low_rank", "cp", "tucker2", "tt", "tr", "tt_lora")
 RATES = (1e-3, 3e-3, 1e-2)
-
-
-def build(method: str, share: float) -> tuple[torch.nn.Module, int]:
-    """The model with ``method``'s adapters (``"<format> default"``, ``"<format> zero"``,
-    ``"head only"`` or ``"PEFT LoRA"``) and its trainable parameters."""
-    net = with_head()
-    # 1% of the ImageNet network's parameters, as experiments.models.mobilenet_fashion counts
-    total = sum(p.numel() for p in mobilenet.pretrained().parameters())
-    head = 1280 * 10 + 10
-    dense = sum(p.numel() for n, m in net.named_modules() if pointwise(n, m)
-                for p in m.parameters())
-    budget = share * total
-    if method == "head only":
-        net.requires_grad_(False)
-        net.classifier[1].requires_grad_(True)
-    elif method == "PEFT LoRA":
-        import peft
-        names = [n for n, m in net.named_modules() if pointwise(n, m)]
-        per_rank = sum(m.in_channels + m.out_channels for n, m in net.named_modules()
-                       if pointwise(n, m))
-        r = max(1, round((budget - head) / per_rank))
-        net = peft.get_peft_model(net, peft.LoraConfig(
-            r=r, lora_alpha=r, target_modules=names, modules_to_save=["classifier.1"]))
-    else:
-        fmt, start = method.split()
-        net, _ = tnspec.adapt(net, fmt, rank=(budget - head) / dense, include=pointwise,
-                              modules_to_save=["classifier.1"],
-                              **({} if start == "default" else {"init": start}))
-    return net, sum(p.numel() for p in net.parameters() if p.requires_grad)
+SPECIAL = ("head only", "PEFT LoRA")  # methods that are no "<format> <start>"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -82,7 +50,9 @@ def main(argv: list[str] | None = None) -> int:
         for lr in rates:
             accs = []
             for seed in seeds:
-                net, trainable = build(method, 0.01)
+                fmt, *start = method.split() if method not in SPECIAL else (method,)
+                net, trainable = with_adapters(
+                    fmt, 0.01, None if not start or start[0] == "default" else start[0])
                 acc, _ = fine_tune(net, data, steps, seed=seed, lr=lr)
                 accs.append(acc)
                 print(method, lr, seed, f"{acc:.3f}", flush=True)

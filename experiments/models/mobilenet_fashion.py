@@ -130,29 +130,10 @@ def main(argv: list[str] | None = None) -> int:
     tuned = []
     total = sum(p.numel() for p in model.parameters())
     share = 0.01 if not args.smoke else 0.02
-    head = 1280 * 10 + 10
-    budget = share * total  # adapters and head together
     methods = ("head only", "low_rank", "PEFT LoRA") if args.smoke else \
         ("head only", "low_rank", "cp", "tucker2", "tt", "tr", "PEFT LoRA")
     for fmt in methods:
-        net = with_head()
-        if fmt == "head only":
-            for p in net.parameters():
-                p.requires_grad_(False)
-            net.classifier[1].requires_grad_(True)
-        elif fmt == "PEFT LoRA":
-            import peft
-            names = [n for n, m in net.named_modules() if pointwise(n, m)]
-            per_rank = sum(m.in_channels + m.out_channels for n, m in net.named_modules()
-                           if pointwise(n, m))
-            r = max(1, round((budget - head) / per_rank))
-            net = peft.get_peft_model(net, peft.LoraConfig(
-                r=r, lora_alpha=r, target_modules=names, modules_to_save=["classifier.1"]))
-        else:
-            per_layer = (budget - head) / dense  # the adapters' share of the 1x1 convs
-            net, _ = tnspec.adapt(net, fmt, rank=per_layer, include=pointwise,
-                                  modules_to_save=["classifier.1"], init="zero")
-        trainable = sum(p.numel() for p in net.parameters() if p.requires_grad)
+        net, trainable = with_adapters(fmt, share, init="zero")
         acc, per_step = fine_tune(net, data, steps, seed=0, lr=1e-3)
         tuned.append((fmt, f"{trainable:,} ({trainable / total:.2%})", acc,
                       f"{1000 * per_step:.0f}"))
@@ -172,6 +153,35 @@ def main(argv: list[str] | None = None) -> int:
     if not args.smoke:  # a smoke run writes nothing
         print(f"wrote {save('mobilenet_fashion', text, started)}")
     return 0
+
+
+def with_adapters(method: str, share: float, init: str | None = None
+                  ) -> tuple[nn.Module, int]:
+    """The network with a new head and ``method``'s adapters on its 1x1 convs (a tnspec
+    format, with ``init`` or ``adapt``'s default; ``"PEFT LoRA"`` at the nearest rank; or
+    ``"head only"``), the adapters and head together about ``share`` of the ImageNet network's
+    parameters; and its trainable parameters."""
+    net = with_head()
+    total = sum(p.numel() for p in mobilenet.pretrained().parameters())
+    dense = params_of(net)
+    head = 1280 * 10 + 10
+    budget = share * total  # adapters and head together
+    if method == "head only":
+        net.requires_grad_(False)
+        net.classifier[1].requires_grad_(True)
+    elif method == "PEFT LoRA":
+        import peft
+        names = [n for n, m in net.named_modules() if pointwise(n, m)]
+        per_rank = sum(m.in_channels + m.out_channels for n, m in net.named_modules()
+                       if pointwise(n, m))
+        r = max(1, round((budget - head) / per_rank))
+        net = peft.get_peft_model(net, peft.LoraConfig(
+            r=r, lora_alpha=r, target_modules=names, modules_to_save=["classifier.1"]))
+    else:
+        net, _ = tnspec.adapt(net, method, rank=(budget - head) / dense, include=pointwise,
+                              modules_to_save=["classifier.1"],
+                              **({} if init is None else {"init": init}))
+    return net, sum(p.numel() for p in net.parameters() if p.requires_grad)
 
 
 def _pooled(model: mobilenet.MobileNetV2, x: torch.Tensor) -> torch.Tensor:

@@ -277,3 +277,18 @@ def test_efficientnet_pytorch_convs_are_all_read():
     assert type(dynamic).__name__ == "Conv2dDynamicSamePadding"
     read = check_forward(dynamic)
     assert read.pad is not None and read.pad.fixed is None
+
+
+def test_loading_adapters_that_do_not_fit_leaves_a_padded_model_as_it_was():
+    """load_adapters reads each subclass as adapt did before it changes anything: a state
+    with a tensor no adapter holds raises, and the model (the subclasses, their parameters,
+    flags and ties) is as it was."""
+    net = _net()
+    adapted, _ = tnspec.adapt(copy.deepcopy(net), "tucker2", rank=0.5, include=["0", "4", "6"])
+    state = {**tnspec.adapter_state_dict(adapted), "6.adapters.default.stray": torch.zeros(1)}
+    target = copy.deepcopy(net)
+    before = snapshot(target)
+    with pytest.raises(tnspec.SpecError, match="layer '6': the state has 'stray'"):
+        tnspec.load_adapters(target, state, tnspec.adapter_config(adapted))
+    assert unchanged(before, target)
+    assert type(target[0]) is DynamicSame and type(target[6]) is StdSame

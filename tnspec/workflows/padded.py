@@ -117,8 +117,11 @@ class Reading:
         """The report's words for a subclass read this way (empty for a plain layer)."""
         if self.layer is original:
             return ""
-        what = [f"pads in its forward ({self.pad})" if self.pad else "pads in its forward"
-                ] if self.pad or not self.standardized else []
+        what = []
+        if self.pad is not None:
+            what.append(f"pads in its forward ({self.pad})")
+        elif not self.standardized:  # "same" made symmetric: the plain conv's own padding
+            what.append("pads in its forward")
         if self.standardized:
             what.append("standardizes its weight in its forward (the standardized weight is "
                         "what was read; the new layer does not standardize again)")
@@ -147,9 +150,10 @@ def reading(module: nn.Module, base: type) -> Reading | None:
             wanted = [module(x) for x in inputs]
     except Exception:  # noqa: BLE001 (its own forward fails on a probe: not a plain conv)
         return None
+    weights = _weights(module, weight)
     for pad, padding in _pads(module, same, configured):
         best = None  # the closest weight: standardized with nearby epsilons all pass
-        for w, standardized in _weights(module, weight):
+        for w, standardized in weights:
             with torch.no_grad():
                 got = [conv(x if pad is None else pad(x), w, module.bias, module.stride,
                             padding, module.dilation, module.groups) for x in inputs]

@@ -127,7 +127,7 @@ def compress(model: nn.Module, budget: float = 0.25, formats: Sequence[str] = FO
     options = {**FIT, **dict(fit or {})}
     other = never_replaced(model)
     left_alone = {**read_directly(model), **tied(model), **adapted_parts(model)}
-    layers, skipped, called, stand_ins = [], [], {}, {}
+    layers, skipped, stand_ins = [], [], {}
     for name, module in model.named_modules():
         if not is_dense(module) or isinstance(module, Layer) or \
                 not selected(name, module, include, exclude):
@@ -140,10 +140,11 @@ def compress(model: nn.Module, budget: float = 0.25, formats: Sequence[str] = FO
             skipped.append((name, exc.message))
             continue
         if read.layer is not module:  # a conv that pads or standardizes in its forward
-            stand_ins[name] = (module, read)
-            name = name if read.pad is None else f"{name}.layer"  # inside its Padded
+            inner = name if read.pad is None else f"{name}.layer"  # inside its Padded
+            stand_ins[name] = (module, read, inner)
+            name = inner
         layers.append((name, read.layer))
-        called[name] = read.layer  # what the model calls: where its inputs are seen
+    called = dict(layers)  # what the model calls while this runs: the plain layers
     if not layers:
         why = f": {first_skipped(skipped)}" if skipped else ""
         raise SpecError(f"no layer to compress{why}",
@@ -356,18 +357,20 @@ def _filled(measured: dict[str, float], layers: list[tuple[str, nn.Module]],
     return measured
 
 
-def _stand_in(model: nn.Module, stand_ins: Mapping[str, tuple[nn.Module, Reading]]) -> None:
+StandIns = Mapping[str, tuple[nn.Module, Reading, str]]  # name: (subclass, reading, layer)
+
+
+def _stand_in(model: nn.Module, stand_ins: StandIns) -> None:
     """Set the plain layer each read subclass computes (in a Padded where it pads) at its
     name."""
-    for name, (_, read) in stand_ins.items():
+    for name, (_, read, _) in stand_ins.items():
         set_submodule(model, name, read.around(read.layer))
 
 
-def _put_back(model: nn.Module, stand_ins: Mapping[str, tuple[nn.Module, Reading]],
-              replaced: set[str]) -> None:
+def _put_back(model: nn.Module, stand_ins: StandIns, replaced: set[str]) -> None:
     """Set each read subclass back at its name, where its layer was not replaced."""
-    for name, (original, read) in stand_ins.items():
-        if (name if read.pad is None else f"{name}.layer") not in replaced:
+    for name, (original, _, layer) in stand_ins.items():
+        if layer not in replaced:
             set_submodule(model, name, original)
 
 

@@ -40,8 +40,8 @@ def inputs(model: nn.Module, layers: list[tuple[str, nn.Module]], data: list[Any
            ) -> dict[str, tuple[tuple[int, ...], torch.Tensor]]:
     """``{layer: (an input shape it saw, the metric factor of its inputs)}``, in the order
     the model first calls them (layers it never reaches left out). ``called``: the
-    module the model calls for a layer where it is not the layer itself (a conv subclass
-    padding in its forward, whose plain conv is the layer)."""
+    module the model calls for a layer where it is not the layer itself (the layer replacing
+    it, during sequential refits)."""
     rows: dict[str, list[torch.Tensor]] = {name: [] for name, _ in layers}
     shapes: dict[str, tuple[int, ...]] = {}
 
