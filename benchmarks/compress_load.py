@@ -1,13 +1,14 @@
 """``tnspec.compress`` on a machine shared with another job: why a run with other processes on
-the cores took 10x a quiet one, and what a user can do about it.
+the cores took 10x a quiet one, and what ``threads="auto"`` (the default) does about it.
 
 Compresses a two-block transformer MLP (384 -> 1536 -> 384, twice) to 50% with data, alone and
 beside a busy neighbour (a process multiplying 1024 x 1024 matrices on 2 threads without end),
-each with torch's intra-op threads at the machine's default and at 1. Rounds alternate the
-thread settings; medians of ``--rounds`` (3). The neighbour starts 2 s before its rows and is
-killed after them.
+with torch's intra-op threads left at the machine's default (``threads=None``), at 1, and as
+``threads="auto"`` chooses (the cores other processes leave free). Rounds alternate the
+settings; medians of ``--rounds`` (3). The neighbour starts 2 s before its rows and is killed
+after them.
 
-    python benchmarks/compress_load.py            # about 10 minutes on 2 cores (--rounds 1: 4)
+    python benchmarks/compress_load.py            # about 12 minutes on 2 cores (--rounds 1: 5)
 """
 
 from __future__ import annotations
@@ -32,13 +33,16 @@ NEIGHBOUR = ("import torch\ntorch.set_num_threads(2)\na = torch.randn(1024, 1024
              "while True:\n    a @ a\n")
 
 
-def seconds(net: nn.Module, data: list[torch.Tensor], threads: int) -> float:
-    """Wall seconds of one ``compress`` at ``threads`` intra-op threads (restored after)."""
+def seconds(net: nn.Module, data: list[torch.Tensor], threads: int | str) -> float:
+    """Wall seconds of one ``compress``: at ``threads`` intra-op threads (torch's setting,
+    restored after, and ``threads=None``), or with ``threads="auto"``."""
     before = torch.get_num_threads()
-    torch.set_num_threads(threads)
+    if threads != "auto":
+        torch.set_num_threads(int(threads))
     try:
         start = time.perf_counter()
-        tnspec.compress(copy.deepcopy(net), 0.5, ("low_rank", "tucker2", "tt"), data=data)
+        tnspec.compress(copy.deepcopy(net), 0.5, ("low_rank", "tucker2", "tt"), data=data,
+                        threads="auto" if threads == "auto" else None)
         return time.perf_counter() - start
     finally:
         torch.set_num_threads(before)
@@ -53,8 +57,8 @@ def main(argv: list[str] | None = None) -> int:
                           for _ in range(2)])
     data = [torch.randn(16, 64, 384) for _ in range(4)]
     default = torch.get_num_threads()
-    settings = sorted({default, 1}, reverse=True)
-    times: dict[tuple[str, int], list[float]] = {}
+    settings: list[int | str] = [*sorted({default, 1}, reverse=True), "auto"]
+    times: dict[tuple[str, int | str], list[float]] = {}
     for machine_state in ("quiet", "one busy neighbour"):
         neighbour = subprocess.Popen([sys.executable, "-c", NEIGHBOUR]) \
             if machine_state != "quiet" else None

@@ -42,6 +42,7 @@ from ..model_tree import Selector, first_skipped, selected, set_submodule
 from . import heal as healing
 from . import observe
 from . import sequential as sequential_fit
+from . import threads as threads_
 from .allocate import allocate
 from .report import Candidate, Choice, CompressReport
 from .timing import Clock, timed
@@ -60,7 +61,8 @@ def compress(model: nn.Module, budget: float = 0.25, formats: Sequence[str] = FO
              fit: Mapping[str, Any] | None = None, max_batches: int = 8,
              run: Runner | None = None, max_seconds: float | None = None,
              prune: bool = True, timer: Timer | None = None, sequential: bool = False,
-             heal: int = 0, heal_lr: float = 1e-4) -> tuple[nn.Module, CompressReport]:
+             heal: int = 0, heal_lr: float = 1e-4, threads: int | str | None = "auto"
+             ) -> tuple[nn.Module, CompressReport]:
     """Replace, in place, the selected ``nn.Linear`` / ``nn.Conv1d/2d/3d`` layers of ``model``
     (``include``/``exclude`` as :func:`tnspec.tensorize`) by tnspec layers of one of
     ``formats`` at one of ``shares`` of their parameters, or keep them dense, so that the
@@ -80,8 +82,9 @@ def compress(model: nn.Module, budget: float = 0.25, formats: Sequence[str] = FO
     candidates slower than dense; ``timer(module, shape) -> seconds`` replaces that timing.
     ``max_seconds`` bounds the whole call: the formats are fitted one after the other over all
     layers, cheapest first, and the candidates left when the time is spent are not fitted (the
-    report says how many); the first sensitivity measure (a forward per layer and batch) stops
-    at a fifth of it, and the layers it did not reach get the median sensitivity. ``prune``: a format whose candidates at a layer's two smallest shares
+    report says how many); recording the inputs (a forward per batch) reads no further batch
+    past a tenth of it, the first sensitivity measure (a forward per layer and batch) none
+    past a fifth, and the layers that measure did not reach get the median sensitivity. ``prune``: a format whose candidates at a layer's two smallest shares
     are each beaten (another format's candidate at that share has no larger error) is not
     fitted at that layer's larger shares: on MiniLM's linear layers the order of the formats
     held at every share (low-rank first), and the fits it saves are the slowest (tensor rings).
@@ -94,6 +97,10 @@ def compress(model: nn.Module, budget: float = 0.25, formats: Sequence[str] = FO
     ``heal_lr``) train the new layers toward the original model's outputs on ``data``
     (``tnspec.workflows.convert.heal``), kept only where they lower that distance. Under
     ``max_seconds`` each of the two takes up to a fifth of the time, the fits the rest.
+
+    ``threads``: torch's intra-op threads while it runs: "auto" caps them at the CPUs other
+    processes leave free (``tnspec.workflows.convert.threads``), a number sets them, None
+    leaves them; put back after.
 
     Returns ``(model, report)``; ``print(report)`` shows a row per layer, ``report.plot()``
     the candidates. Nothing in the model changes until every fit is done (but for a conv
@@ -125,6 +132,7 @@ def compress(model: nn.Module, budget: float = 0.25, formats: Sequence[str] = FO
         raise SpecError(f"fit= has no option {unknown[0]!r}",
                         hint=f"the options are {', '.join(FIT)}")
     options = {**FIT, **dict(fit or {})}
+    threads_.check(threads)
     other = never_replaced(model)
     left_alone = {**read_directly(model), **tied(model), **adapted_parts(model)}
     layers, skipped, stand_ins = [], [], {}
@@ -160,19 +168,34 @@ def compress(model: nn.Module, budget: float = 0.25, formats: Sequence[str] = FO
         if not data:
             raise SpecError("data= holds no batch", hint="give a tensor, or an iterable of "
                             "batches with at least one")
+    count, on_threads = threads_.chosen(
+        threads, all(p.device.type == "cpu" for p in model.parameters()))
+    torch_threads = torch.get_num_threads()
     # while it runs, the model calls the plain conv each such subclass computes
     _stand_in(model, stand_ins)
     try:
+        torch.set_num_threads(count)
         progress = Progress("compress")
-        seen = observe.inputs(model, layers, data, max_batches, run, called) \
-            if data is not None else {}
-        # under max_seconds the first measure takes up to a fifth of it; a layer it does not
+        if on_threads:
+            progress.line(f"runs on {on_threads}")
+        # under max_seconds, recording the inputs (a forward per batch, the first always run)
+        # and the first measure together take up to a fifth of it; a layer the measure does not
         # reach gets the median of those it did (the passes are a forward per layer and batch)
         clock = Clock(started)
+        inputs_end = math.inf if max_seconds is None else started + 0.1 * max_seconds
         measure_end = math.inf if max_seconds is None else started + 0.2 * max_seconds
-        sensitivity = _filled(observe.sensitivities(
+        seen, read = observe.inputs(model, layers, data, max_batches, run, called,
+                                    lambda: clock.left(inputs_end)) \
+            if data is not None else ({}, 0)
+        if data is not None and read < len(data):
+            progress.line(f"inputs recorded from {read} of {len(data)} batch(es): max_seconds "
+                          "left no time for more")
+        sensitivity, missing = observe.filled(observe.sensitivities(
             model, layers, data, run, called=called, left=lambda: clock.left(measure_end)),
-            layers, progress) if data is not None else {}
+            layers) if data is not None else ({}, 0)
+        if missing:
+            progress.line(f"{missing} layer(s) given the median sensitivity: max_seconds left "
+                          "no time to measure them")
         targets = observe.outputs(model, data, run) if heal else []
         progress.line(f"{len(layers)} layer(s) to fit"
                       + (f", inputs recorded ({now() - started:.0f} s)" if data else ""))
@@ -308,13 +331,15 @@ def compress(model: nn.Module, budget: float = 0.25, formats: Sequence[str] = FO
     except BaseException:
         _put_back(model, stand_ins, set())
         raise
+    finally:
+        torch.set_num_threads(torch_threads)
     _put_back(model, stand_ins, {name for (name, _, opts, _, _), k in zip(choices, picks)
                                  if opts[k][1] is not None})
     progress.close()
     return model, CompressReport(budget, tuple(report_rows), tuple(skipped), data is not None,
                                  now() - started, unfitted=unfitted, other=other,
                                  pruned=pruned, over_budget=over_budget, refits=refits,
-                                 healed=healed)
+                                 healed=healed, threads=on_threads)
 
 
 def _fitted(module: nn.Module, new: Layer, fmt: str, share: float, metric: torch.Tensor | None,
@@ -343,18 +368,6 @@ def _apply(model: nn.Module, chosen: Mapping[str, nn.Module]) -> None:
         for name, module in old.items():
             set_submodule(model, name, module)
         raise
-
-
-def _filled(measured: dict[str, float], layers: list[tuple[str, nn.Module]],
-            progress: Progress) -> dict[str, float]:
-    """The sensitivities, the median of the measured ones for each layer left unmeasured."""
-    missing = [name for name, _ in layers if name not in measured]
-    if missing and measured:
-        progress.line(f"{len(missing)} layer(s) given the median sensitivity: max_seconds "
-                      "left no time to measure them")
-        middle = sorted(measured.values())[len(measured) // 2]
-        measured = {**measured, **{name: middle for name in missing}}
-    return measured
 
 
 StandIns = Mapping[str, tuple[nn.Module, Reading, str]]  # name: (subclass, reading, layer)

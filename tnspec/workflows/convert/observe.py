@@ -36,12 +36,14 @@ def batches(data: Any, max_batches: int, run: Runner | None = None) -> list[Any]
 
 def inputs(model: nn.Module, layers: list[tuple[str, nn.Module]], data: list[Any],
            max_batches: int, run: Runner | None = None,
-           called: Mapping[str, nn.Module] | None = None
-           ) -> dict[str, tuple[tuple[int, ...], torch.Tensor]]:
+           called: Mapping[str, nn.Module] | None = None,
+           left: Callable[[], float] | None = None
+           ) -> tuple[dict[str, tuple[tuple[int, ...], torch.Tensor]], int]:
     """``{layer: (an input shape it saw, the metric factor of its inputs)}``, in the order
-    the model first calls them (layers it never reaches left out). ``called``: the
-    module the model calls for a layer where it is not the layer itself (the layer replacing
-    it, during sequential refits)."""
+    the model first calls them (layers it never reaches left out), and how many batches were
+    read. ``called``: the module the model calls for a layer where it is not the layer itself
+    (the layer replacing it, during sequential refits). ``left()``: the seconds left; once it
+    is 0 no further batch is read (the first always is)."""
     rows: dict[str, list[torch.Tensor]] = {name: [] for name, _ in layers}
     shapes: dict[str, tuple[int, ...]] = {}
 
@@ -54,11 +56,11 @@ def inputs(model: nn.Module, layers: list[tuple[str, nn.Module]], data: list[Any
             keep = max(moments.MAX_ROWS // max_batches, 1)
             rows[name].append(sampled(module, x, keep, len(rows[name])).double())
         return record
-    _run(model, layers, data, hook, run, called or {})
+    read = _run(model, layers, data, hook, run, called or {}, left)
     found = dict(layers)
     return {name: (shape, moments.factor(torch.cat(rows[name]),
                                          getattr(found[name], "groups", 1)))
-            for name, shape in shapes.items() if rows[name]}  # in the order they are called
+            for name, shape in shapes.items() if rows[name]}, read  # in the order called
 
 
 def sampled(module: nn.Module, x: torch.Tensor, keep: int, seed: int) -> torch.Tensor:
@@ -82,15 +84,23 @@ def _padding(module: nn.Module) -> tuple[int, ...]:
 
 
 def _run(model: nn.Module, layers: list[tuple[str, nn.Module]], data: list[Any],
-         make_hook: Callable, run: Runner | None, called: Mapping[str, nn.Module]) -> None:
+         make_hook: Callable, run: Runner | None, called: Mapping[str, nn.Module],
+         left: Callable[[], float] | None = None) -> int:
+    """Feed the batches with the hooks on; how many were fed (at least one, then while
+    ``left()`` is above 0)."""
     handles = [called.get(n, m).register_forward_pre_hook(make_hook(n, m)) for n, m in layers]
+    fed = 0
     try:
         with evaluated(model):
             for batch in data:
+                if fed and left is not None and left() <= 0:
+                    break
                 call(model, batch, run)
+                fed += 1
     finally:
         for h in handles:
             h.remove()
+    return fed
 
 
 def sensitivities(model: nn.Module, layers: list[tuple[str, nn.Module]], data: list[Any],
@@ -100,11 +110,17 @@ def sensitivities(model: nn.Module, layers: list[tuple[str, nn.Module]], data: l
     """Per layer: ``||f(x; layer output + noise) - f(x)|| / (noise ||f(x)||)`` for Gaussian
     noise of ``noise`` times the output's rms (own generator), the norms summed over the first
     ``max_batches`` batches (``called`` as for :func:`inputs`). ``left()``: the seconds left;
-    the layers not reached when it is 0 are left out."""
-    sample = data[:max_batches]
+    once it is 0 no further batch is taken (the first always is) and the layers not reached
+    are left out."""
+    sample: list[Any] = []
+    references: list[torch.Tensor] = []
     moved = {name: 0.0 for name, _ in layers}
     with evaluated(model):
-        references = [flat(call(model, x, run)) for x in sample]
+        for x in data[:max_batches]:
+            if sample and left is not None and left() <= 0:
+                break
+            sample.append(x)
+            references.append(flat(call(model, x, run)))
         size = sum(float(r.pow(2).sum()) for r in references)
         for name, module in layers:
             if left is not None and left() <= 0:
@@ -139,3 +155,14 @@ def flat(output: Any) -> torch.Tensor:
         raise SpecError(f"the model's output ({type(output).__name__}) holds no tensor",
                         hint="compress measures sensitivities on the model's output")
     return torch.cat(leaves)
+
+
+def filled(measured: dict[str, float], layers: list[tuple[str, nn.Module]]
+           ) -> tuple[dict[str, float], int]:
+    """The sensitivities with the median of the measured ones for each layer left unmeasured,
+    and how many those are."""
+    missing = [name for name, _ in layers if name not in measured]
+    if missing and measured:
+        middle = sorted(measured.values())[len(measured) // 2]
+        measured = {**measured, **{name: middle for name in missing}}
+    return measured, len(missing) if measured else 0

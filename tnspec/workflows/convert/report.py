@@ -50,6 +50,7 @@ class CompressReport:
     #: sequential=True: (layer, error before, after) on the compressed model's inputs
     refits: tuple[tuple[str, float, float], ...] = ()
     healed: Healed | None = None  # heal=steps: what the healing pass did
+    threads: str = ""  # torch's threads where compress changed them, and why
 
     @property
     def params_before(self) -> int:
@@ -108,6 +109,8 @@ class CompressReport:
             lines.append(f"  healed: {h.steps} step(s); distance to the original's outputs "
                          f"{h.before:.4g} -> {h.after:.4g}" +
                          ("" if h.kept else " (not lower: the fitted layers kept)"))
+        if self.threads:
+            lines.append(f"  ran on {self.threads}")
         for kind, n, why in self.other:
             lines.append(f"  left alone {n} x {kind}: {why}")
         return "\n".join(lines)

@@ -1,0 +1,81 @@
+"""``compress(threads=...)``: torch's intra-op threads while it runs, capped at the cores other
+processes leave free with "auto", and put back after, also when it raises."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import tnspec
+from tnspec.planning import calibration
+from tnspec.workflows.convert import threads as threads_
+
+
+@pytest.fixture
+def two_threads():
+    """torch on 2 intra-op threads of 2 CPUs for one test, restored afterwards."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+def _seen_threads() -> tuple[list[int], object]:
+    """A ``run`` that records torch's thread count at each forward compress makes."""
+    seen: list[int] = []
+
+    def run(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+        seen.append(torch.get_num_threads())
+        return model(batch)
+    return seen, run
+
+
+def _net() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 12))
+
+
+DATA = [torch.randn(64, 16, generator=torch.Generator().manual_seed(1))]
+
+
+def test_auto_runs_on_the_cores_other_processes_leave_free(monkeypatch, two_threads):
+    monkeypatch.setattr(calibration, "others_running", lambda: 1)
+    monkeypatch.setattr(threads_.os, "cpu_count", lambda: 2)
+    seen, run = _seen_threads()
+    model, report = tnspec.compress(_net(), 0.5, ("low_rank",), data=DATA, run=run,
+                                    fit={"max_iter": 5})
+    assert seen and set(seen) == {1}
+    assert torch.get_num_threads() == 2  # put back
+    assert "ran on 1 torch thread(s) of 2: 1 thread(s) of other processes were running" \
+        in str(report)
+
+
+def test_auto_leaves_torch_alone_on_a_quiet_machine_and_none_leaves_it_always(monkeypatch,
+                                                                              two_threads):
+    seen, run = _seen_threads()
+    monkeypatch.setattr(calibration, "others_running", lambda: 0)
+    _, report = tnspec.compress(_net(), 0.5, ("low_rank",), data=DATA, run=run,
+                                fit={"max_iter": 5})
+    monkeypatch.setattr(calibration, "others_running", lambda: 5)
+    _, again = tnspec.compress(_net(), 0.5, ("low_rank",), data=DATA, run=run,
+                               fit={"max_iter": 5}, threads=None)
+    assert set(seen) == {2} and "torch thread" not in str(report) + str(again)
+
+
+def test_a_number_sets_the_threads_and_they_are_put_back_when_it_raises(two_threads):
+    seen: list[int] = []
+
+    def failing(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+        seen.append(torch.get_num_threads())
+        raise RuntimeError("the batch is broken")
+    with pytest.raises(RuntimeError, match="the batch is broken"):
+        tnspec.compress(_net(), 0.5, ("low_rank",), data=DATA, run=failing, threads=1)
+    assert seen == [1] and torch.get_num_threads() == 2
+
+
+@pytest.mark.parametrize("bad", [0, -2, 1.5, True, "all"])
+def test_threads_that_are_not_a_count_or_auto_are_refused(bad):
+    with pytest.raises(tnspec.SpecError,
+                       match=r"(?s)threads=.* is not a number of threads.*hint: 'auto'"):
+        tnspec.compress(_net(), 0.5, ("low_rank",), threads=bad)
