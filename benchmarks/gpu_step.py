@@ -15,7 +15,9 @@ replayed, as ``torch.cuda.graphs`` documents, which takes the host out; ``compil
 ``torch.compile(model)`` (the compile is warm-up, not timed; graphs compiled and graph breaks
 are counted). BERT-base (12 x 768, random weights: the step time does not depend on them),
 batch 32 x 128 tokens, bf16: query, key, value and the attention output adapted by every
-tnspec format at LoRA r=8's parameter count, and by PEFT's LoRA r=8.
+tnspec format at LoRA r=8's parameter count from the zero start (one core zero), low_rank and
+TT also from ``adapt``'s default start (every core drawn, the start subtracted by a frozen
+copy: the adapter runs twice), and by PEFT's LoRA r=8.
 
 Per row: the median step time over interleaved rounds (every variant of a block once per
 round), its ratio to the block's first row, the host time (the step's Python returning, before
@@ -130,13 +132,17 @@ def bert_variants(batch: int, tokens: int, device: torch.device, small: bool) ->
         print("(PEFT does not import: its LoRA row is left out; the first row is tnspec's)")
     h = config.hidden_size
     share = 2 * h * 8 / (h * h)  # LoRA r=8's share of a square projection's parameters
-    for fmt in ("low_rank", "cp", "tt", "tr", "tt_lora"):
+    # the zero start (one core zero) runs the adapter once; adapt's default (every core
+    # drawn, the start subtracted by a frozen copy, exact at init) runs it twice
+    for fmt, init in [(f, "zero") for f in ("low_rank", "cp", "tt", "tr", "tt_lora")] + \
+            [("low_rank", None), ("tt", None)]:
         rank = 8 if fmt == "low_rank" else share
         try:
-            model, _ = tnspec.adapt(base(), fmt, rank=rank, init="zero",
-                                    include=lambda n, m: n.endswith(targets))
-            out.append(Variant(f"tnspec {fmt} ({_params(model)})", model.to(device), (ids,),
-                               loss))
+            model, _ = tnspec.adapt(base(), fmt, rank=rank, include=lambda n, m: n.endswith(
+                targets), **({"init": init} if init else {}))
+            start = "zero start" if init else "default start"
+            out.append(Variant(f"tnspec {fmt}, {start} ({_params(model)})", model.to(device),
+                               (ids,), loss))
         except tnspec.SpecError as e:
             print(f"(tnspec {fmt} left out: {str(e).splitlines()[0]})")
     return out

@@ -12,6 +12,7 @@ import torch
 
 from tnspec import progress
 from tnspec.planning import calibration, measure
+from tnspec.workflows.convert import threads as threads_
 from tnspec.nn.autotune import Timing
 from tnspec.planning.cost import CostModel
 from tnspec.planning.measure import Sample
@@ -61,6 +62,14 @@ def stopped_clock(monkeypatch):
     sweeps' and hops' own ends on a loaded laptop as on a quiet one. A test of a time bound
     makes the clock tick itself (:func:`ticking`)."""
     monkeypatch.setattr(progress, "clock", lambda: 0.0)
+
+
+@pytest.fixture(autouse=True)
+def quiet_neighbours(monkeypatch):
+    """``compress(threads="auto")`` sees no other process running, so that no test's numbers
+    depend on how many threads a busy CI machine would leave it (a test of the choice says
+    what it sees)."""
+    monkeypatch.setattr(threads_, "others_running", lambda: 0)
 
 
 @pytest.fixture

@@ -256,7 +256,8 @@ def test_gpu_step_smoke_times_every_model_and_says_what_needs_cuda(capsys):
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if line.startswith("| eager |")]
     labels = ("dense", "3 convs by hand", "tnspec tucker2 25% (", "dense-first",
-              "tnspec low_rank", "tnspec cp", "tnspec tt (", "tnspec tr", "tnspec tt_lora")
+              "tnspec low_rank, zero", "tnspec cp", "tnspec tt, zero", "tnspec tr",
+              "tnspec tt_lora", "tnspec low_rank, default", "tnspec tt, default")
     for label in labels:
         row = next(line for line in rows if label in line)
         step_ms, ratio, host_ms, ops = row.split("|")[3:7]

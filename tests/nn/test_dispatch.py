@@ -74,3 +74,30 @@ def test_the_compiled_form_keeps_the_flattened_1x1_conv(conv1x1):
     layer(torch.randn(2, 16, 8, 8).contiguous(memory_format=torch.channels_last))
     compiled = tnspec.emit.runtime.source_of(layer._compilable_class().forward)
     assert "F.conv1d" not in compiled and "F.conv2d" in compiled
+
+
+# ops of one forward and backward of a 64 -> 64 3x3 layer at 10% of its parameters (RESULTS.md,
+# "Ops dispatched per training step"); by hand, as three convs, 10
+CEILINGS = {"low_rank": 15, "cp": 44, "tucker2": 14, "tt": 42, "tr": 60}
+
+
+@pytest.mark.parametrize("fmt", sorted(CEILINGS))
+def test_each_format_dispatches_no_more_ops_than_the_table_says(conv1x1, fmt):
+    layer = tnspec.formats.build(fmt, 64, 64, 3, padding=1, rank=0.1).layer()
+    ops = step_ops(layer, torch.randn(2, 64, 16, 16))
+    assert sum(ops.values()) <= CEILINGS[fmt], dict(ops)
+
+
+def test_a_tensorized_resnet_dispatches_the_hand_written_ops_and_a_view_per_1x1_core(conv1x1):
+    """ResNet-18 with its 16 inner 3x3 convs as tucker2 at 25%: the same convolutions as the
+    network written by hand with three ``nn.Conv2d`` each, and what remains over it is each 1x1
+    core's view into a conv weight, forward and back (4 a layer)."""
+    models = dispatch_ops.ResNet18, dispatch_ops.written_by_hand
+    torch.manual_seed(0)
+    tensorized, _ = tnspec.tensorize(models[0](), "tucker2", rank=0.25, include=lambda n, m: (
+        isinstance(m, nn.Conv2d) and n != "conv1" and "downsample" not in n))
+    hand = models[1](tensorized, models[0]())
+    x = torch.randn(2, 3, 64, 64)
+    ops, by_hand = step_ops(tensorized, x), step_ops(hand, x)
+    extra = {k: ops[k] - by_hand.get(k, 0) for k in ops if ops[k] != by_hand.get(k, 0)}
+    assert extra == {"view": 4 * 16}, extra

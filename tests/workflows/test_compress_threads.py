@@ -8,7 +8,6 @@ import torch
 from torch import nn
 
 import tnspec
-from tnspec.planning import calibration
 from tnspec.workflows.convert import threads as threads_
 
 
@@ -40,7 +39,7 @@ DATA = [torch.randn(64, 16, generator=torch.Generator().manual_seed(1))]
 
 
 def test_auto_runs_on_the_cores_other_processes_leave_free(monkeypatch, two_threads):
-    monkeypatch.setattr(calibration, "others_running", lambda: 1)
+    monkeypatch.setattr(threads_, "others_running", lambda: 1)
     monkeypatch.setattr(threads_.os, "cpu_count", lambda: 2)
     seen, run = _seen_threads()
     model, report = tnspec.compress(_net(), 0.5, ("low_rank",), data=DATA, run=run,
@@ -54,10 +53,10 @@ def test_auto_runs_on_the_cores_other_processes_leave_free(monkeypatch, two_thre
 def test_auto_leaves_torch_alone_on_a_quiet_machine_and_none_leaves_it_always(monkeypatch,
                                                                               two_threads):
     seen, run = _seen_threads()
-    monkeypatch.setattr(calibration, "others_running", lambda: 0)
+    monkeypatch.setattr(threads_, "others_running", lambda: 0)
     _, report = tnspec.compress(_net(), 0.5, ("low_rank",), data=DATA, run=run,
                                 fit={"max_iter": 5})
-    monkeypatch.setattr(calibration, "others_running", lambda: 5)
+    monkeypatch.setattr(threads_, "others_running", lambda: 5)
     _, again = tnspec.compress(_net(), 0.5, ("low_rank",), data=DATA, run=run,
                                fit={"max_iter": 5}, threads=None)
     assert set(seen) == {2} and "torch thread" not in str(report) + str(again)

@@ -193,6 +193,11 @@ def test_the_principal_start_fits_the_base_weights_principal_part_and_cancels_it
     start = scaling * layer.dense_weight().detach()
     u, s, vh = torch.linalg.svd(base[0].weight.detach(), full_matrices=False)
     torch.testing.assert_close(start, (u[:, :4] * s[:4]) @ vh[:4], rtol=1e-4, atol=1e-5)
+    # PiSSA's scale: the cores hold the part themselves, at equal norms (as U sqrt(S) and
+    # sqrt(S) V^T do), so that Adam's steps, about lr an entry, are not shrunk by a small
+    # scaling
+    norms = [float(p.norm()) for p in layer.parameters()]
+    assert scaling == 1.0 and max(norms) == pytest.approx(min(norms), rel=1e-5)
     for fmt in ("tt", "tr", "cp"):  # any format: fitted, exact at init
         other, rep = tnspec.adapt(copy.deepcopy(base), fmt, rank=0.5, init="principal")
         with torch.no_grad():

@@ -215,16 +215,36 @@ FALLBACK_SECONDS = 3600.0
 
 def others_running() -> int | None:
     """How many threads of other processes are running or ready to run now (the median of
-    a few reads of ``/proc/loadavg``, less this thread), or None where that file is absent."""
+    a few reads of ``/proc/loadavg``, less this process's threads that are: torch's own
+    intra-op threads spin for a while after each parallel op, and counting them as others
+    made a quiet machine look busy), or None where that file is absent."""
     counts = []
     for _ in range(5):
         try:
             with open("/proc/loadavg") as f:
-                counts.append(int(f.read().split()[3].split("/")[0]) - 1)
+                running = int(f.read().split()[3].split("/")[0])
         except (OSError, ValueError, IndexError):
             return None
+        counts.append(max(running - _running_here(), 0))
         time.sleep(0.002)
     return sorted(counts)[2]
+
+
+def _running_here() -> int:
+    """This process's threads running or ready to run (at least this one)."""
+    here = 0
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return 1
+    for task in tasks:
+        try:
+            with open(f"/proc/self/task/{task}/stat") as f:
+                # the state follows the command name, which is in parentheses
+                here += f.read().rsplit(")", 1)[1].split()[0] == "R"
+        except (OSError, IndexError):
+            continue
+    return max(here, 1)
 
 
 def busy(device_type: str = "cpu", others: int | None = None) -> bool:

@@ -131,9 +131,10 @@ def adapt(model: nn.Module, fmt: Fmt = "low_rank", *, rank: int | float | None =
     bit in both modes, but only that core learns at first, and on a conv network four of
     five formats stayed near chance. ``init="principal"`` fits the cores to the base weight's
     principal part in the format (the truncated SVD for ``low_rank``: PiSSA's start, for any
-    format) and subtracts a frozen copy likewise: the model computes ``W + scaling (A -
-    A0)``, which is PiSSA's ``(W - A0) + A`` with the base weight left as it is (nothing to
-    restore when merging or saving; the copy is saved with the adapter).
+    format) and subtracts a frozen copy likewise: the model computes ``W + A - A0``, which is
+    PiSSA's ``(W - A0) + A`` with the base weight left as it is (nothing to restore when
+    merging or saving; the copy is saved with the adapter). As in PiSSA the cores hold that
+    part themselves (scaling 1), at equal norms.
     ``step_rule="spectral"`` holds the adapter's inner cores (those with two bonds or more) at
     their init spectral norm while they train, so that a chain's or ring's cores cannot
     align to grow the product by orders of magnitude (:mod:`~tnspec.workflows.adapters.step_rule`).

@@ -84,9 +84,10 @@ def compress(model: nn.Module, budget: float = 0.25, formats: Sequence[str] = FO
     layers, cheapest first, and the candidates left when the time is spent are not fitted (the
     report says how many); recording the inputs (a forward per batch) reads no further batch
     past a tenth of it, the first sensitivity measure (a forward per layer and batch) none
-    past a fifth, and the layers that measure did not reach get the median sensitivity. ``prune``: a format whose candidates at a layer's two smallest shares
-    are each beaten (another format's candidate at that share has no larger error) is not
-    fitted at that layer's larger shares: on MiniLM's linear layers the order of the formats
+    past a fifth, and the layers that measure did not reach get the median sensitivity.
+    ``prune``: a format whose candidates at a layer's two smallest shares are each beaten
+    (another format's candidate at that share has no larger error) is not fitted at that
+    layer's larger shares: on MiniLM's linear layers the order of the formats
     held at every share (low-rank first), and the fits it saves are the slowest (tensor rings).
 
     ``sequential=True`` (needs ``data``): the sensitivities are measured again on the model as

@@ -9,10 +9,11 @@ the new inputs: minimize ``||X W^T - X' V^T||``. With ``C = X^T X' / n`` and ``M
 this is ``||(W* - V) L||^2`` plus a constant, for the target ``W* = W (C + d I)(M + d I)^-1``
 (``d``: ``M``'s mean eigenvalue times ``P / n``, the rows' width over their number, and at
 least 1% of it: it pulls ``W*`` toward ``W`` where the rows say little, which on MiniLM kept 32
-sentences from making the refit worse on held-out text; ``W* = W`` whenever ``X' = X``) and ``L L^T = M``: the fit ``compress``
-already runs, to another weight in another metric. The bias then takes the mean of what is
-left, ``b + mean(X W^T - X' V^T)``, its least-squares value. A refit that does not lower the
-error on ``X'`` is dropped, and the layer keeps its first fit.
+sentences from making the refit worse on held-out text; ``W* = W`` whenever ``X' = X``) and
+``L L^T = M``: the fit ``compress`` already runs, to another weight in another metric. The
+bias then takes the mean of what is left, ``b + mean(X W^T - X' V^T)``, its least-squares
+value. A refit that does not lower the error on ``X'`` is dropped, and the layer keeps its
+first fit.
 """
 
 from __future__ import annotations

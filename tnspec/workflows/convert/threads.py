@@ -11,29 +11,30 @@ import os
 import torch
 
 from ...errors import SpecError
-from ...planning import calibration
+from ...planning.calibration import others_running
 
 
 def check(threads: int | str | None) -> None:
     """Raise the SpecError for a ``threads=`` that is not "auto", None or a positive int."""
-    if threads in ("auto", None) or (isinstance(threads, int) and not isinstance(threads, bool)
-                                     and threads > 0):
+    if threads in ("auto", None) or (isinstance(threads, int) and
+                                     not isinstance(threads, bool) and threads > 0):
         return
-    raise SpecError(f"threads={threads!r} is not a number of threads", hint="'auto' (the cores other jobs leave free), "
-                    "a number of threads, or None (torch's setting as it is)")
+    raise SpecError(f"threads={threads!r} is not a number of threads",
+                    hint="'auto' (the cores other jobs leave free), a number of threads, or "
+                    "None (torch's setting as it is)")
 
 
 def chosen(threads: int | str | None, cpu: bool) -> tuple[int, str]:
     """The intra-op thread count to run on, and why in words ("" where it is torch's own):
     ``threads`` where it is a number; with "auto" on a CPU, torch's count capped by the cores
-    not taken by other processes' running threads (``calibration.others_running``; at
+    not taken by other processes' running threads (:func:`others_running`; at
     least 1)."""
     now = torch.get_num_threads()
     if isinstance(threads, int):
         return threads, "" if threads == now else f"{threads} torch thread(s), as asked"
     if threads is None or not cpu:
         return now, ""
-    others = calibration.others_running()
+    others = others_running()
     if others is None or others <= 0:
         return now, ""
     free = max((os.cpu_count() or 1) - others, 1)
