@@ -6,7 +6,9 @@ stem at a share of each layer's parameters. tnspec's formats as ``adapt`` builds
 ``step_rule="spectral"`` (where it bounds a core: tucker2, tt, tr, tt_lora) and with
 ``init="offset"`` (every core drawn, the initial adapter subtracted by a frozen copy) and
 ``init="principal"`` (the cores fitted to the base weight, subtracted likewise); PEFT's
-LoRA, LoHa and LoKr at the largest rank within the same share. Adam at 1e-3, 3e-3 and 1e-2 (no
+LoRA, PiSSA (LoRA from the principal part; PEFT builds it for linear layers only: a method the
+library does not build for the network is left out and named), DoRA, LoHa and LoKr at the
+largest rank within the same share. Adam at 1e-3, 3e-3 and 1e-2 (no
 per-format tuning), 10 epochs of batch 64 (230 steps), seeds 0, 1, 2. A run *diverges* when a
 loss is not finite or its final accuracy is not above the model's before adapting.
 
@@ -22,10 +24,11 @@ after them.
         "low_rank offset" "cp offset" "tucker2 offset" "tt offset" "tr offset" \
         "tt_lora offset" "tt offset +rule" "tr offset +rule" cp "tt_lora +rule" \
         peft-lora peft-loha peft-lokr                     # the init="offset" table
-    python -m experiments.models.adapter_rates --out adapter_rates_principal --shares 0.02 \
-        --methods "low_rank principal" "cp principal" "tucker2 principal" "tt principal" \
-        "tr principal" "tt_lora principal" "low_rank offset" "tt offset" "tr offset" \
-        peft-lora                                         # the init="principal" table
+    python -m experiments.models.adapter_rates --model cnn --out adapter_rates_cnn_peft \
+        --methods "low_rank default" "cp default" "tucker2 default" "tt default" \
+        "tr default" "tt_lora default" "low_rank principal" "cp principal" \
+        "tucker2 principal" "tt principal" "tr principal" "tt_lora principal" \
+        peft-lora peft-pissa peft-dora peft-loha peft-lokr   # both starts against PEFT's five
     python -m experiments.models.adapter_rates --smoke
 """
 
@@ -74,7 +77,7 @@ TNSPEC = (("low_rank", "low_rank", ""), ("cp", "cp", ""),
           ("tr principal", "tr", "principal"), ("tt_lora principal", "tt_lora", "principal"),
           *((f"{f} default", f, "default") for f in ("low_rank", "cp", "tucker2", "tt", "tr",
                                                      "tt_lora")))
-PEFT = ("peft-lora", "peft-loha", "peft-lokr")
+PEFT = ("peft-lora", "peft-pissa", "peft-dora", "peft-loha", "peft-lokr")
 
 
 def build(base: nn.Module, method: str, share: float) -> nn.Module:
@@ -177,6 +180,13 @@ def main(argv: list[str] | None = None) -> int:
     before = base_experiment.accuracy(base, task[2], task[3])
     methods = args.methods or [name for name, *_ in TNSPEC] + \
         (list(PEFT) if base_experiment.peft_available() else [])
+    refused = {}  # methods the library does not build for this network, and why
+    for method in methods:
+        try:
+            build(base, method, min(args.shares))
+        except (ValueError, TypeError, NotImplementedError) as exc:
+            refused[method] = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
+    methods = [m for m in methods if m not in refused]
     seeds, rates = ((0,), (1e-2,)) if args.smoke else (SEEDS, RATES)
     state = base.state_dict()
     jobs = [(m, s, lr, seed, state, args.smoke, args.model) for s in args.shares
@@ -197,6 +207,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{before:.3f} before adapting. Diverged: runs with a loss that is not finite or "
             "a final accuracy not above the model's before adapting. +rule: "
             "`adapt(step_rule=\"spectral\")`.\n"]
+    text += [f"Not run: {m}, which the library does not build for this network ({why}).\n"
+             for m, why in refused.items()]
     for share in args.shares:
         rows, means = [], {}
         for method in methods:

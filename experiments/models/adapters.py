@@ -133,7 +133,12 @@ def _peft(model: nn.Module, method: str, r: int) -> nn.Module:
     targets = _targets(model)
     config = {"peft-lora": lambda: peft.LoraConfig(r=r, lora_alpha=r, target_modules=targets),
               "peft-loha": lambda: peft.LoHaConfig(r=r, alpha=r, target_modules=targets),
-              "peft-lokr": lambda: peft.LoKrConfig(r=r, alpha=r, target_modules=targets)}
+              "peft-lokr": lambda: peft.LoKrConfig(r=r, alpha=r, target_modules=targets),
+              # PiSSA: A and B the principal singular part, the base holds the residual
+              "peft-pissa": lambda: peft.LoraConfig(r=r, lora_alpha=r, target_modules=targets,
+                                                    init_lora_weights="pissa"),
+              "peft-dora": lambda: peft.LoraConfig(r=r, lora_alpha=r, target_modules=targets,
+                                                   use_dora=True)}
     return peft.get_peft_model(model, config[method]())
 
 

@@ -13,6 +13,9 @@ same trainable parameters, on the same batches, one learning rate (AdamW 1e-3), 
     python -m experiments.models.minilm_adapters --seeds 1 --rates 3e-3 1e-2 \\
         --methods "tt offset" "tr offset" --scale 0.1 \\
         --out minilm_adapters_offset_scale           # the offset init at a tenth of the scale
+    python -m experiments.models.minilm_adapters --seeds 1 --rates 1e-3 3e-3 \\
+        --methods "low_rank principal" "tucker2 principal" "tt principal" "tr principal" \\
+        PiSSA LoRA --out minilm_adapters_principal   # the principal start against PiSSA
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from .. import assets
 from ..common import markdown_table, save
 
 TNSPEC = ("low_rank", "cp", "tucker2", "tt", "tr")
-PEFT = ("LoRA", "LoHa", "LoKr")
+PEFT = ("LoRA", "LoHa", "LoKr", "PiSSA")
 SHARE = 0.011  # the adapters' share of each layer's parameters (tnspec's float rank)
 
 
@@ -64,7 +67,10 @@ def peft_model(base: Classifier, method: str, r: int) -> nn.Module:
               "LoHa": lambda: peft.LoHaConfig(r=r, alpha=r, target_modules=names,
                                               modules_to_save=["head"]),
               "LoKr": lambda: peft.LoKrConfig(r=r, alpha=r, target_modules=names,
-                                              modules_to_save=["head"])}[method]()
+                                              modules_to_save=["head"]),
+              "PiSSA": lambda: peft.LoraConfig(r=r, lora_alpha=r, target_modules=names,
+                                               modules_to_save=["head"],
+                                               init_lora_weights="pissa")}[method]()
     return peft.get_peft_model(base, config)
 
 
@@ -116,8 +122,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="AdamW learning rates (1e-3)")
     parser.add_argument("--methods", nargs="+", default=None,
                         help="a subset: tnspec formats (followed by ' +rule': with "
-                        "step_rule='spectral'; by ' offset': with init='offset') and LoRA, "
-                        "LoHa, LoKr")
+                        "step_rule='spectral'; by ' offset' or ' principal': with that "
+                        "init) and LoRA, LoHa, LoKr, PiSSA")
     parser.add_argument("--out", default=None, help="the results file's name")
     parser.add_argument("--scale", type=float, default=1.0,
                         help="adapt's scale= for the tnspec adapters (1.0)")
@@ -161,7 +167,8 @@ def main(argv: list[str] | None = None) -> int:
                         model, fmt, rank=SHARE, include=lambda n, m: n in targets(base),
                         modules_to_save=["head"],
                         step_rule="spectral" if "+rule" in flags else None,
-                        init="offset" if "offset" in flags else "zero", scale=args.scale)
+                        init="offset" if "offset" in flags else
+                        "principal" if "principal" in flags else "zero", scale=args.scale)
                     reference = reference or report.trainable
                 else:
                     r = matched_rank(base, method, reference or 120_000)
@@ -187,8 +194,8 @@ def main(argv: list[str] | None = None) -> int:
             f"mean-pooled embedding (trained in full); {steps} steps of 16 snippets (at most "
             f"48 tokens), AdamW {rate_text}, seeds {', '.join(map(str, seeds))}; accuracy on "
             f"{n_test:,} held-out snippets (0.5 is chance). Trainable parameters include the "
-            "head (770). +rule: `adapt(step_rule=\"spectral\")`; offset: "
-            f"`adapt(init=\"offset\")`; tnspec's scale={args.scale:g}. Final train loss: the mean "
+            "head (770). +rule: `adapt(step_rule=\"spectral\")`; offset, principal: "
+            f"`adapt(init=...)`; tnspec's scale={args.scale:g}. Final train loss: the mean "
             "of the last 20 steps; nan where a loss was not finite.\n\n"
             + markdown_table(["method", *(["lr"] if len(rates) > 1 else []), "trainable",
                               "accuracy (mean)", "std", "per seed", "final train loss",
