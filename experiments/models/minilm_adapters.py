@@ -14,8 +14,8 @@ same trainable parameters, on the same batches, one learning rate (AdamW 1e-3), 
         --methods "tt offset" "tr offset" --scale 0.1 \\
         --out minilm_adapters_offset_scale           # the offset init at a tenth of the scale
     python -m experiments.models.minilm_adapters --seeds 1 --rates 1e-3 3e-3 \\
-        --methods "low_rank principal" "tucker2 principal" "tt principal" "tr principal" \\
-        PiSSA LoRA --out minilm_adapters_principal   # the principal start against PiSSA
+        --methods "low_rank principal" "tt principal" PiSSA LoRA \\
+        --out minilm_adapters_principal              # the principal start against PiSSA
 """
 
 from __future__ import annotations
