@@ -78,3 +78,26 @@ def test_threads_that_are_not_a_count_or_auto_are_refused(bad):
     with pytest.raises(tnspec.SpecError,
                        match=r"(?s)threads=.* is not a number of threads.*hint: 'auto'"):
         tnspec.compress(_net(), 0.5, ("low_rank",), threads=bad)
+
+
+def test_tensorize_fits_on_the_free_cores_and_only_when_it_fits(monkeypatch, two_threads):
+    """``tensorize(weights="fit")`` takes ``threads`` as ``compress`` does: its fits run on
+    the cores other processes leave free, torch's count put back after; a fresh init fits
+    nothing and leaves the threads alone."""
+    monkeypatch.setattr(threads_, "others_running", lambda: 1)
+    monkeypatch.setattr(threads_.os, "cpu_count", lambda: 2)
+    seen: list[int] = []
+    fit = tnspec.Layer.fit_
+
+    def watched(self, *args, **kwargs):
+        seen.append(torch.get_num_threads())
+        return fit(self, *args, **kwargs)
+    monkeypatch.setattr(tnspec.Layer, "fit_", watched)
+    _, report = tnspec.tensorize(_net(), "low_rank", rank=0.5, weights="fit",
+                                 fit={"max_iter": 5})
+    assert seen and set(seen) == {1} and torch.get_num_threads() == 2
+    assert "fitted on 1 torch thread(s) of 2" in str(report)
+    _, fresh = tnspec.tensorize(_net(), "low_rank", rank=0.5)
+    assert "torch thread" not in str(fresh)
+    with pytest.raises(tnspec.SpecError, match=r"threads=0 is not a number of threads"):
+        tnspec.tensorize(_net(), "low_rank", weights="fit", threads=0)

@@ -27,6 +27,7 @@ from ..dense_layers import (check_forward, features, is_dense, is_linear, never_
 from ..left_alone import read_directly, tied, tied_heads
 from ..model_tree import Selector, selected, set_submodule
 from ..stand_ins import TensorizedConv, TensorizedLinear
+from . import threads as threads_
 from .activations import following_activations
 
 
@@ -58,6 +59,7 @@ class Report:
     skipped_kinds: tuple[str, ...] = ()  # the module type of each skipped layer
     other: tuple[tuple[str, int, str], ...] = ()  # (kind, count, why) of those never replaced
     layout: LayoutChoice | None = None  # memory_format=: what the model was left in, and why
+    threads: str = ""  # torch's threads for the fits where tensorize changed them, and why
 
     def __str__(self) -> str:
         lines = [f"tensorize: {len(self.replaced)} layer(s) to {self.format}, "
@@ -65,6 +67,8 @@ class Report:
                  f"{self.params_after:,} ({_ratio(self.params_before, self.params_after)})"]
         if self.layout is not None:
             lines.append(f"  {self.layout}")
+        if self.threads:
+            lines.append(f"  fitted on {self.threads}")
         for r in self.replaced:
             lines.append(f"  {r.name}: {r.before}")
             how = (f"init for {r.activation} ({r.activation_from})" if r.fit_error is None
@@ -91,7 +95,7 @@ def tensorize(model: nn.Module, format: str = "tucker2", *, rank: int | float = 
               error: float | None = None, fit: Mapping[str, Any] | None = None,
               memory_format: str | torch.memory_format | None = None,
               example: torch.Tensor | Sequence[int] | None = None,
-              **options: Any) -> tuple[nn.Module, Report]:
+              threads: int | str | None = "auto", **options: Any) -> tuple[nn.Module, Report]:
     """Replace, in place, every ``nn.Conv1d/2d/3d`` and linear layer (``nn.Linear``, Hugging
     Face's ``Conv1D``) of ``model`` selected by
     ``include``/``exclude`` (glob patterns on qualified names such as ``"features.*"``, or a
@@ -112,7 +116,9 @@ def tensorize(model: nn.Module, format: str = "tucker2", *, rank: int | float = 
     ``error=`` (0.1: 10%) the rank is chosen per layer instead of ``rank``: the smallest share of
     the dense layer's parameters, found by bisection, whose fit reaches that error. A layer
     whose goal is reached only with as many parameters as the dense one, or not at all, stays
-    dense, and the report says so.
+    dense, and the report says so. ``threads`` (with ``weights="fit"``): torch's intra-op
+    threads for the fits, as :func:`tnspec.compress` takes it ("auto": the CPUs other
+    processes leave free; a number; None: torch's as it is), put back after.
 
     A language model's head tied to its token embedding (an ``nn.Linear`` holding the
     ``nn.Embedding``'s weight), both selected, stays tied: the embedding becomes a tensorized
@@ -136,6 +142,7 @@ def tensorize(model: nn.Module, format: str = "tucker2", *, rank: int | float = 
     if format not in formats.NAMES:
         raise SpecError(f"unknown format {format!r}",
                         hint=f"choose one of {', '.join(formats.NAMES)}")
+    threads_.check(threads)
     if weights not in ("init", "fit"):
         raise SpecError(f"weights={weights!r}", hint='"init" (a fresh init) or "fit" (fitted '
                         "to the trained weights)")
@@ -166,68 +173,79 @@ def tensorize(model: nn.Module, format: str = "tucker2", *, rank: int | float = 
     replaced, skipped, kinds = [], [], []
     other = never_replaced(model, embeddings=True)
     progress = Progress("tensorize")  # a line per layer where a person watches
-    for name, module in list(model.named_modules()):
-        if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and \
-                selected(name, module, include, exclude):
+    # fits are many small linear-algebra calls: beside other jobs, on the cores they leave
+    count, on_threads = threads_.chosen(threads, all(p.device.type == "cpu" for p in
+                                                   model.parameters())) \
+        if weights == "fit" else (torch.get_num_threads(), "")
+    if on_threads:
+        progress.line(f"fits run on {on_threads}")
+    torch_threads = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        for name, module in list(model.named_modules()):
+            if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and \
+                    selected(name, module, include, exclude):
+                try:
+                    if name in left_alone:
+                        raise SpecError(left_alone[name])
+                    new, fit_error = replacing(module, format, rank, weights, error, fit_options)
+                except SpecError as exc:
+                    skipped.append((name, exc.message))
+                    kinds.append(type(module).__name__)
+                    continue
+                set_submodule(model, name, new)
+                replaced.append(Replacement(name, repr(module), new.spec if isinstance(new, Layer)
+                                            else new.rows.spec,
+                                            module.weight.numel(),
+                                            sum(p.numel() for p in new.parameters()), "linear",
+                                            "an embedding", fit_error, error))
+                continue
+            if not is_dense(module) or isinstance(module, Layer):
+                continue
+            if not selected(name, module, include, exclude) or name in heads:
+                continue
+            act, source = (activation, "given") if activation is not None else \
+                following.get(name, ("linear", "no activation found after it"))
             try:
                 if name in left_alone:
                     raise SpecError(left_alone[name])
-                new, fit_error = replacing(module, format, rank, weights, error, fit_options)
+                original, read = module, check_forward(module)
+                module = read.layer
+                fit_error = None
+                if error is not None:
+                    new, fit_error = _smallest(module, format, init, act, options, error,
+                                               fit_options)
+                else:
+                    new = _replacement(module, format, rank, init, act, options)
+                    if weights == "fit":
+                        fit_error = _fitted(new, module, fit_options)
             except SpecError as exc:
                 skipped.append((name, exc.message))
                 kinds.append(type(module).__name__)
+                progress.line(f"{name}: skipped ({exc.message})")
                 continue
-            set_submodule(model, name, new)
-            replaced.append(Replacement(name, repr(module), new.spec if isinstance(new, Layer)
-                                        else new.rows.spec,
-                                        module.weight.numel(),
-                                        sum(p.numel() for p in new.parameters()), "linear",
-                                        "an embedding", fit_error, error))
-            continue
-        if not is_dense(module) or isinstance(module, Layer):
-            continue
-        if not selected(name, module, include, exclude) or name in heads:
-            continue
-        act, source = (activation, "given") if activation is not None else \
-            following.get(name, ("linear", "no activation found after it"))
-        try:
-            if name in left_alone:
-                raise SpecError(left_alone[name])
-            original, read = module, check_forward(module)
-            module = read.layer
-            fit_error = None
-            if error is not None:
-                new, fit_error = _smallest(module, format, init, act, options, error,
-                                           fit_options)
-            else:
-                new = _replacement(module, format, rank, init, act, options)
-                if weights == "fit":
-                    fit_error = _fitted(new, module, fit_options)
-        except SpecError as exc:
-            skipped.append((name, exc.message))
-            kinds.append(type(module).__name__)
-            progress.line(f"{name}: skipped ({exc.message})")
-            continue
-        note = ""
-        if weights == "fit" and not weight_of(module).detach().any():
-            note = (f"the weight is all zero: cores at their Graph-in scale with "
-                    f"{decompose.output_core(new.network)} zeroed, so that it still trains")
-        _keep_state(original, new)
-        set_submodule(model, name, read.around(new))
-        note = "; ".join(filter(None, [note, read.note(original, "as")]))
-        replaced.append(Replacement(name, repr(module), new.spec,
-                                    sum(p.numel() for p in module.parameters()),
-                                    sum(p.numel() for p in new.parameters()), str(act), source,
-                                    fit_error, error, note))
-        progress.line(f"{name}: {type(module).__name__} -> {format}"
-                      + ("" if fit_error is None else f", fit error {fit_error:.4f}")
-                      + f" ({now() - progress.start:.0f} s so far)")
-    for head, table in heads.items():
-        _tie(model, head, table, replaced, skipped, kinds)
+            note = ""
+            if weights == "fit" and not weight_of(module).detach().any():
+                note = (f"the weight is all zero: cores at their Graph-in scale with "
+                        f"{decompose.output_core(new.network)} zeroed, so that it still trains")
+            _keep_state(original, new)
+            set_submodule(model, name, read.around(new))
+            note = "; ".join(filter(None, [note, read.note(original, "as")]))
+            replaced.append(Replacement(name, repr(module), new.spec,
+                                        sum(p.numel() for p in module.parameters()),
+                                        sum(p.numel() for p in new.parameters()), str(act), source,
+                                        fit_error, error, note))
+            progress.line(f"{name}: {type(module).__name__} -> {format}"
+                          + ("" if fit_error is None else f", fit error {fit_error:.4f}")
+                          + f" ({now() - progress.start:.0f} s so far)")
+        for head, table in heads.items():
+            _tie(model, head, table, replaced, skipped, kinds)
+    finally:
+        torch.set_num_threads(torch_threads)
     after = sum(p.numel() for p in model.parameters())
     chosen = layout.apply(model, layout_asked, example)
     return model, Report(format, tuple(replaced), tuple(skipped), before, after, tuple(kinds),
-                         other, chosen)
+                         other, chosen, on_threads)
 
 
 def _tie(model: nn.Module, head: str, table: str, replaced: list, skipped: list,
