@@ -8,7 +8,12 @@ with torch's intra-op threads left at the machine's default (``threads=None``), 
 settings; medians of ``--rounds`` (3). The neighbour starts 2 s before its rows and is killed
 after them.
 
+``--job tensorize`` times ``tensorize(weights="fit")`` of two 256-channel 3x3 convs (one of 4
+groups) to Tucker-2 at 25% instead, at torch's threads (``threads=None``) and with
+``threads="auto"``.
+
     python benchmarks/compress_load.py            # about 12 minutes on 2 cores (--rounds 1: 5)
+    python benchmarks/compress_load.py --job tensorize --rounds 1   # about 6 minutes
 """
 
 from __future__ import annotations
@@ -33,16 +38,22 @@ NEIGHBOUR = ("import torch\ntorch.set_num_threads(2)\na = torch.randn(1024, 1024
              "while True:\n    a @ a\n")
 
 
-def seconds(net: nn.Module, data: list[torch.Tensor], threads: int | str) -> float:
-    """Wall seconds of one ``compress``: at ``threads`` intra-op threads (torch's setting,
-    restored after, and ``threads=None``), or with ``threads="auto"``."""
+def seconds(job: str, net: nn.Module, data: list[torch.Tensor], threads: int | str) -> float:
+    """Wall seconds of one ``compress`` (or ``tensorize(weights="fit")``): at ``threads``
+    intra-op threads (torch's setting, restored after, and ``threads=None``), or with
+    ``threads="auto"``."""
     before = torch.get_num_threads()
     if threads != "auto":
         torch.set_num_threads(int(threads))
+    given = "auto" if threads == "auto" else None
     try:
         start = time.perf_counter()
-        tnspec.compress(copy.deepcopy(net), 0.5, ("low_rank", "tucker2", "tt"), data=data,
-                        threads="auto" if threads == "auto" else None)
+        if job == "compress":
+            tnspec.compress(copy.deepcopy(net), 0.5, ("low_rank", "tucker2", "tt"), data=data,
+                            threads=given)
+        else:
+            tnspec.tensorize(copy.deepcopy(net), "tucker2", rank=0.25, weights="fit",
+                             threads=given, fit={"max_seconds": 300})
         return time.perf_counter() - start
     finally:
         torch.set_num_threads(before)
@@ -51,13 +62,19 @@ def seconds(net: nn.Module, data: list[torch.Tensor], threads: int | str) -> flo
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--job", choices=("compress", "tensorize"), default="compress")
     args = parser.parse_args(argv)
     torch.manual_seed(0)
-    net = nn.Sequential(*[nn.Sequential(nn.Linear(384, 1536), nn.GELU(), nn.Linear(1536, 384))
-                          for _ in range(2)])
+    if args.job == "compress":
+        net = nn.Sequential(*[nn.Sequential(nn.Linear(384, 1536), nn.GELU(),
+                                            nn.Linear(1536, 384)) for _ in range(2)])
+    else:
+        net = nn.Sequential(nn.Conv2d(256, 256, 3, padding=1, groups=4), nn.ReLU(),
+                            nn.Conv2d(256, 256, 3, padding=1))
     data = [torch.randn(16, 64, 384) for _ in range(4)]
     default = torch.get_num_threads()
-    settings: list[int | str] = [*sorted({default, 1}, reverse=True), "auto"]
+    settings: list[int | str] = [*sorted({default, 1}, reverse=True), "auto"] \
+        if args.job == "compress" else [default, "auto"]
     times: dict[tuple[str, int | str], list[float]] = {}
     for machine_state in ("quiet", "one busy neighbour"):
         neighbour = subprocess.Popen([sys.executable, "-c", NEIGHBOUR]) \
@@ -67,15 +84,15 @@ def main(argv: list[str] | None = None) -> int:
             for _ in range(args.rounds):
                 for threads in settings:
                     times.setdefault((machine_state, threads), []).append(
-                        seconds(net, data, threads))
+                        seconds(args.job, net, data, threads))
         finally:
             if neighbour:
                 neighbour.kill()
                 neighbour.wait()
     quiet = statistics.median(times["quiet", default])
     print(machine())
-    print(f"\n| machine | torch threads | seconds (median of {args.rounds}) | x quiet at "
-          f"{default} threads |\n|---|---|---|---|")
+    print(f"\n{args.job}\n\n| machine | torch threads | seconds (median of {args.rounds}) "
+          f"| x quiet at {default} threads |\n|---|---|---|---|")
     for (state, threads), spent in times.items():
         median = statistics.median(spent)
         print(f"| {state} | {threads} | {median:.1f} | {median / quiet:.2f} |")
