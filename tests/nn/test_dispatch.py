@@ -101,3 +101,20 @@ def test_a_tensorized_resnet_dispatches_the_hand_written_ops_and_a_view_per_1x1_
     ops, by_hand = step_ops(tensorized, x), step_ops(hand, x)
     extra = {k: ops[k] - by_hand.get(k, 0) for k in ops if ops[k] != by_hand.get(k, 0)}
     assert extra == {"view": 4 * 16}, extra
+
+
+def test_adapter_starts_dispatch_what_they_did_and_scaling_one_costs_no_multiply():
+    """A low_rank r=8 adapter on a 256 -> 256 linear, forward and backward to its cores and
+    input. The zero start runs the adapter once (33 ops; PEFT's LoRA 27); the default start
+    runs it twice, the frozen copy cancelling the drawn one (50); the principal start, whose
+    scaling is 1, the same less the multiply by it, forward and back (48)."""
+    torch.manual_seed(0)
+    x = torch.randn(32, 256, requires_grad=True)
+    counts = {}
+    for init in ("zero", "offset", "principal"):
+        model, _ = tnspec.adapt(nn.Sequential(nn.Linear(256, 256)), "low_rank", rank=8,
+                                init=init)
+        counts[init] = step_ops(model, x)
+    assert sum(counts["zero"].values()) <= 33 and sum(counts["offset"].values()) <= 50
+    assert counts["principal"]["mul"] == 0 and counts["offset"]["mul"] == 2
+    assert sum(counts["principal"].values()) == sum(counts["offset"].values()) - 2

@@ -10,6 +10,8 @@ from torch import nn
 import tnspec
 from tnspec.workflows.convert import threads as threads_
 
+from ..model_state import snapshot, unchanged
+
 
 @pytest.fixture
 def two_threads():
@@ -62,15 +64,23 @@ def test_auto_leaves_torch_alone_on_a_quiet_machine_and_none_leaves_it_always(mo
     assert set(seen) == {2} and "torch thread" not in str(report) + str(again)
 
 
-def test_a_number_sets_the_threads_and_they_are_put_back_when_it_raises(two_threads):
+@pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])
+def test_a_number_sets_the_threads_and_all_is_put_back_when_it_raises(two_threads, error):
+    """An error or Ctrl-C (here in the second forward compress makes, after the inputs were
+    recorded on the first) leaves torch's thread count and the model as they were, by hash."""
     seen: list[int] = []
 
     def failing(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
         seen.append(torch.get_num_threads())
-        raise RuntimeError("the batch is broken")
-    with pytest.raises(RuntimeError, match="the batch is broken"):
-        tnspec.compress(_net(), 0.5, ("low_rank",), data=DATA, run=failing, threads=1)
-    assert seen == [1] and torch.get_num_threads() == 2
+        if len(seen) == 2:
+            raise error("the batch is broken")
+        return model(batch)
+    net = _net()
+    net[0].requires_grad_(False)
+    before = snapshot(net)
+    with pytest.raises(error, match="the batch is broken"):
+        tnspec.compress(net, 0.5, ("low_rank",), data=DATA, run=failing, threads=1)
+    assert seen == [1, 1] and torch.get_num_threads() == 2 and unchanged(before, net)
 
 
 @pytest.mark.parametrize("bad", [0, -2, 1.5, True, "all"])

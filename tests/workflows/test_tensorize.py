@@ -374,3 +374,30 @@ def test_convs_that_pad_same_in_their_forward_are_the_plain_convs_they_compute()
     _, report = tnspec.compress(copy.deepcopy(net), 0.5, data=[x], include=["2", "4", "6"])
     assert [c.name for c in report.choices] == ["2", "4", "6"]
     assert all(c.sensitivity > 0.1 for c in report.choices), [c.sensitivity for c in report.choices]
+
+
+@pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])
+def test_an_error_in_a_later_fit_puts_every_replaced_layer_back(monkeypatch, error):
+    """``tensorize(weights="fit")`` replaces layer by layer; an error or Ctrl-C in the second
+    layer's fit leaves the model exactly as it was (the first layer, already replaced, put
+    back; a frozen layer still frozen; the head still tied to its embedding; the values, by
+    hash), and torch's thread count as it was."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(50, 16), nn.Linear(16, 32), nn.ReLU(),
+                          nn.Linear(32, 32), nn.Linear(32, 50, bias=False))
+    model[4].weight = model[0].weight  # a head tied to its embedding
+    model[1].requires_grad_(False)
+    before, threads = snapshot(model), torch.get_num_threads()
+    fit, calls = tnspec.Layer.fit_, []
+
+    def failing(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise error("the second fit fails")
+        return fit(self, *args, **kwargs)
+    monkeypatch.setattr(tnspec.Layer, "fit_", failing)
+    with pytest.raises(error, match="the second fit fails"):
+        tnspec.tensorize(model, "low_rank", rank=0.5, weights="fit", include=["1", "3"],
+                         fit={"max_iter": 3})
+    assert len(calls) == 2 and unchanged(before, model)
+    assert model[4].weight is model[0].weight and torch.get_num_threads() == threads

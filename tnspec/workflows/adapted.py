@@ -73,8 +73,10 @@ class Adapted(nn.Module):
         a = self.adapters[self.active](x)
         if self.active in self.offsets:
             a = a - self.offsets[self.active](x)
-        # not torch.add(..., alpha=): inductor (torch 2.13) drops alpha after a matmul
-        return y + self.scaling[self.active] * a
+        scaling = self.scaling[self.active]
+        # not torch.add(..., alpha=): inductor (torch 2.13) drops alpha after a matmul; at
+        # scaling 1 (the principal start) no multiply, forward or back
+        return y + (a if scaling == 1.0 else scaling * a)
 
     def delta_weight(self, name: str) -> torch.Tensor:
         """Adapter ``name`` (less its offset) as a dense weight of the base's shape, in

@@ -169,13 +169,11 @@ def compress(model: nn.Module, budget: float = 0.25, formats: Sequence[str] = FO
         if not data:
             raise SpecError("data= holds no batch", hint="give a tensor, or an iterable of "
                             "batches with at least one")
-    count, on_threads = threads_.chosen(
-        threads, all(p.device.type == "cpu" for p in model.parameters()))
     torch_threads = torch.get_num_threads()
     # while it runs, the model calls the plain conv each such subclass computes
     _stand_in(model, stand_ins)
     try:
-        torch.set_num_threads(count)
+        on_threads = threads_.use(threads, model)
         progress = Progress("compress")
         if on_threads:
             progress.line(f"runs on {on_threads}")

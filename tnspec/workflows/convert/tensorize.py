@@ -8,7 +8,7 @@ trained weights they replace (``weights="fit"``). ``tnspec.merge``
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -118,7 +118,8 @@ def tensorize(model: nn.Module, format: str = "tucker2", *, rank: int | float = 
     whose goal is reached only with as many parameters as the dense one, or not at all, stays
     dense, and the report says so. ``threads`` (with ``weights="fit"``): torch's intra-op
     threads for the fits, as :func:`tnspec.compress` takes it ("auto": the CPUs other
-    processes leave free; a number; None: torch's as it is), put back after.
+    processes leave free; a number; None: torch's as it is), put back after. An error or
+    Ctrl-C part way (in a fit, say) puts every layer it replaced back: the model is as it was.
 
     A language model's head tied to its token embedding (an ``nn.Linear`` holding the
     ``nn.Embedding``'s weight), both selected, stays tied: the embedding becomes a tensorized
@@ -173,15 +174,17 @@ def tensorize(model: nn.Module, format: str = "tucker2", *, rank: int | float = 
     replaced, skipped, kinds = [], [], []
     other = never_replaced(model, embeddings=True)
     progress = Progress("tensorize")  # a line per layer where a person watches
-    # fits are many small linear-algebra calls: beside other jobs, on the cores they leave
-    count, on_threads = threads_.chosen(threads, all(p.device.type == "cpu" for p in
-                                                   model.parameters())) \
-        if weights == "fit" else (torch.get_num_threads(), "")
-    if on_threads:
-        progress.line(f"fits run on {on_threads}")
     torch_threads = torch.get_num_threads()
-    torch.set_num_threads(count)
+    originals: dict[str, nn.Module] = {}  # what each replaced name held, put back on an error
+
+    def put(name: str, new: nn.Module) -> None:
+        originals.setdefault(name, model.get_submodule(name))
+        set_submodule(model, name, new)
     try:
+        # fits are many small linear-algebra calls: beside other jobs, on the cores they leave
+        on_threads = threads_.use(threads if weights == "fit" else None, model)
+        if on_threads:
+            progress.line(f"fits run on {on_threads}")
         for name, module in list(model.named_modules()):
             if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and \
                     selected(name, module, include, exclude):
@@ -193,7 +196,7 @@ def tensorize(model: nn.Module, format: str = "tucker2", *, rank: int | float = 
                     skipped.append((name, exc.message))
                     kinds.append(type(module).__name__)
                     continue
-                set_submodule(model, name, new)
+                put(name, new)
                 replaced.append(Replacement(name, repr(module), new.spec if isinstance(new, Layer)
                                             else new.rows.spec,
                                             module.weight.numel(),
@@ -229,7 +232,7 @@ def tensorize(model: nn.Module, format: str = "tucker2", *, rank: int | float = 
                 note = (f"the weight is all zero: cores at their Graph-in scale with "
                         f"{decompose.output_core(new.network)} zeroed, so that it still trains")
             _keep_state(original, new)
-            set_submodule(model, name, read.around(new))
+            put(name, read.around(new))
             note = "; ".join(filter(None, [note, read.note(original, "as")]))
             replaced.append(Replacement(name, repr(module), new.spec,
                                         sum(p.numel() for p in module.parameters()),
@@ -239,17 +242,22 @@ def tensorize(model: nn.Module, format: str = "tucker2", *, rank: int | float = 
                           + ("" if fit_error is None else f", fit error {fit_error:.4f}")
                           + f" ({now() - progress.start:.0f} s so far)")
         for head, table in heads.items():
-            _tie(model, head, table, replaced, skipped, kinds)
+            _tie(model, head, table, replaced, skipped, kinds, put)
+        torch.set_num_threads(torch_threads)  # the layout is timed on torch's own count
+        after = sum(p.numel() for p in model.parameters())
+        chosen = layout.apply(model, layout_asked, example)
+    except BaseException:  # an error or Ctrl-C: the model as it was
+        for name, module in reversed(originals.items()):
+            set_submodule(model, name, module)
+        raise
     finally:
         torch.set_num_threads(torch_threads)
-    after = sum(p.numel() for p in model.parameters())
-    chosen = layout.apply(model, layout_asked, example)
     return model, Report(format, tuple(replaced), tuple(skipped), before, after, tuple(kinds),
                          other, chosen, on_threads)
 
 
 def _tie(model: nn.Module, head: str, table: str, replaced: list, skipped: list,
-         kinds: list) -> None:
+         kinds: list, put: Callable[[str, nn.Module], None]) -> None:
     """The tied ``head`` reads the tensorized embedding ``table`` replaced (a
     :class:`TiedHead`), so that the two stay one; where the embedding stayed, so does it."""
     old, new = model.get_submodule(head), model.get_submodule(table)
@@ -257,7 +265,7 @@ def _tie(model: nn.Module, head: str, table: str, replaced: list, skipped: list,
         skipped.append((head, f"tied to {table!r}, which stays as it is"))
         kinds.append(type(old).__name__)
         return
-    set_submodule(model, head, TiedHead(new, old.bias))
+    put(head, TiedHead(new, old.bias))
     replaced.append(Replacement(head, repr(old), new.spec, old.weight.numel() + (
         0 if old.bias is None else old.bias.numel()), 0 if old.bias is None else
         old.bias.numel(), "linear", "tied", note=f"reads the table of {table!r} (tied)"))

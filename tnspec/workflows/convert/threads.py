@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 
 import torch
+from torch import nn
 
 from ...errors import SpecError
 from ...planning.calibration import others_running
@@ -22,6 +23,15 @@ def check(threads: int | str | None) -> None:
     raise SpecError(f"threads={threads!r} is not a number of threads",
                     hint="'auto' (the cores other jobs leave free), a number of threads, or "
                     "None (torch's setting as it is)")
+
+
+def use(threads: int | str | None, model: nn.Module) -> str:
+    """Set torch's intra-op threads as ``threads`` asks for a job on ``model`` (the caller
+    puts the count back); why in words, "" where torch's count stays."""
+    count, why = chosen(threads, all(p.device.type == "cpu" for p in model.parameters()))
+    if count != torch.get_num_threads():
+        torch.set_num_threads(count)
+    return why
 
 
 def chosen(threads: int | str | None, cpu: bool) -> tuple[int, str]:
