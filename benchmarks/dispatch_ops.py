@@ -33,15 +33,19 @@ from harness import Count  # noqa: E402
 from models import ResNet18, by_hand, written_by_hand  # noqa: E402
 
 
-def step_ops(module: nn.Module, x: torch.Tensor) -> int:
+def step_ops(module: nn.Module, x: torch.Tensor, amp: bool = False) -> int:
     """Ops of one forward and backward, gradients unset as ``zero_grad()`` leaves them, the
-    gradient contiguous as a next layer gives it; after a warm-up step."""
-    y = module(x)
+    gradient contiguous as a next layer gives it; after a warm-up step. ``amp``: the forward
+    under bfloat16 autocast, as the GPU step runs it."""
+    def forward() -> torch.Tensor:
+        with torch.autocast("cpu", torch.bfloat16, enabled=amp):
+            return module(x)
+    y = forward()
     g = torch.randn_like(y)
     y.backward(g)
     module.zero_grad(set_to_none=True)
     with Count() as counted:
-        module(x).backward(g)
+        forward().backward(g)
     module.zero_grad(set_to_none=True)
     return sum(counted.ops.values())
 
@@ -85,6 +89,18 @@ def table() -> None:
                          ("tnspec tucker2 at 25%, 1x1 convs flattened (before)", flat)):
         print(f"| {label} | {sum(p.numel() for p in model.parameters()):,} | "
               f"{step_ops(model, x):,} |")
+    dense_first = copy.deepcopy(tensorized)
+    for m in dense_first.modules():
+        if isinstance(m, tnspec.Layer):
+            m.planner = "dense-first"
+    last = x.contiguous(memory_format=torch.channels_last)
+    print("\n| the same, bf16 autocast and channels_last (the GPU step) | ops per fwd+bwd |\n"
+          "|---|---|")
+    for label, model in (("dense", dense), ("3 convs by hand (tucker2's ranks)", hand),
+                         ("tnspec tucker2 at 25%", tensorized),
+                         ("tnspec tucker2 at 25%, dense-first", dense_first)):
+        model = copy.deepcopy(model).to(memory_format=torch.channels_last)
+        print(f"| {label}, bf16 | {step_ops(model, last, amp=True):,} |")
     x = torch.randn(2, 64, 16, 16)
     layer = tnspec.formats.tucker2(64, 64, 3, rank=0.1, padding=1).layer()
     hand_ops = step_ops(by_hand(layer), x)

@@ -50,6 +50,10 @@ class Call:
     args: tuple[Arg, ...]
     kwargs: tuple[tuple[str, Arg], ...] = ()
     comment: str = ""
+    #: builds a weight from cores alone, so runs with autocast off: autocast would cast each
+    #: core forward and each core's gradient back; the finished weight is cast once, by the
+    #: op that reads it, and is built in the cores' precision
+    cores_only: bool = False
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ import builtins
 import keyword
 import math
 import textwrap
+from itertools import groupby
 from pathlib import PurePath
 from typing import Any, NamedTuple, Sequence
 
@@ -229,8 +230,15 @@ class _Class:
             targets = ", ".join(v for v, _ in p.sizes)
             values = ", ".join(f"self.sizes[{i!r}]" for _, i in p.sizes)
             lines += wrap_assign(i2, targets, values)
-        for node in p.nodes:
-            lines += statement(node, i2)
+        for cores_only, run in groupby(p.nodes, lambda n: isinstance(n, Call) and n.cores_only):
+            if cores_only:
+                # TorchScript takes only a constant device type, hence both
+                lines += comment("built from the cores alone, in their precision: under autocast "
+                                 "it is cast once where it is read, not core by core", i2)
+                lines.append(f"{i2}with torch.autocast('cuda', enabled=False), "
+                             "torch.autocast('cpu', enabled=False):")
+            for node in run:
+                lines += statement(node, i2 + INDENT * cores_only)
         if p.unbatched:
             lines += [f"{i2}if {p.unbatched}:",
                       f"{i2}{INDENT}{p.result} = {p.result}.squeeze(0)"]

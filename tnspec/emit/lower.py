@@ -54,8 +54,12 @@ class _Lowering(Products):
         self.var: dict[str, Var | Param] = {}  # plan operand -> what holds it now
         # the layout each conv or linear step reads its weight in: where an einsum builds that
         # weight, it writes it in an order that layout is one cheap permute away from
-        self.wanted = {s.right.name: _weight_layout(s) for s in plan.steps
+        self.wanted = {s.right.name: _weight_layout(s, self.channels_last) for s in plan.steps
                        if s.op in ("conv", "conv1x1", "linear")}
+        # a contiguous program's conv weight written channels-last would make the conv's
+        # result channels-last too
+        self.unwanted = {} if self.channels_last else {
+            s.right.name: _weight_layout(s, True) for s in plan.steps if s.op == "conv"}
 
     # ---- the program ------------------------------------------------------------------------
 
@@ -175,15 +179,19 @@ class _Lowering(Products):
 
     def step(self, step: Step) -> None:
         left, right = self.var[step.left.name], self.var[step.right.name]
-        what = (f"{_text(left.name, step.left.indices)} * "
-                f"{_text(right.name, step.right.indices)}")
+        what = (f"{_text(left.name, self.layout[left])} * "
+                f"{_text(right.name, self.layout[right])}")
         base = step.result.name
+        start = len(self.nodes)
         if step.op in ("conv", "conv1x1"):
             out = self.conv(step, left, right, base, what)
         elif step.op == "linear":
             out = self.linear(step, left, right, base, what)
         else:
             out = self.einsum(step, left, right, base, what)
+        if not step.data_side:
+            self.nodes[start:] = [replace(n, cores_only=True) if isinstance(n, Call) else n
+                                  for n in self.nodes[start:]]
         self.var[step.result.name] = out
 
     def batch_dim(self, holder: Var | Param, batch: Sequence[str]) -> Size | int:
@@ -340,11 +348,18 @@ class _Lowering(Products):
 _VIEWS = {".reshape", ".permute", ".flip", "[]", "torch.einsum"}
 
 
-def _weight_layout(step: Step) -> tuple[str, ...]:
-    """The order of the weight's indices that a conv or linear step reshapes it from."""
+def _weight_layout(step: Step, channels_last: bool) -> tuple[str, ...]:
+    """The order of the weight's indices that a conv or linear step reshapes it from; in a
+    channels-last program, the kernels before the inputs: the conv reads that weight
+    permuted (a view) as a channels-last one, the layout it computes in, where a contiguous
+    one would be copied on the way."""
     sp = step.split
     kernels = tuple(str(c.kernel) for i in sp.spatial for c in step.convs if c.source == i)
-    return sp.groups + sp.outputs + sp.inputs + (kernels if step.op == "conv" else ())
+    if step.op != "conv":
+        return sp.groups + sp.outputs + sp.inputs
+    if channels_last:
+        return sp.groups + sp.outputs + kernels + sp.inputs
+    return sp.groups + sp.outputs + sp.inputs + kernels
 
 
 def _uniform(values: list[int]) -> int | tuple[int, ...]:

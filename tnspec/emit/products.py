@@ -25,6 +25,7 @@ class Products(Builder):
 
     channels_last: bool  # the program is laid out for a channels-last input
     wanted: dict[str, tuple[str, ...]]  # the layout a conv or linear step reads its weight in
+    unwanted: dict[str, tuple[str, ...]]  # a layout it must not get (see lower._weight_layout)
 
     def einsum(self, step: Step, left: Var | Param, right: Var | Param, base: str,
                what: str) -> Var | Param:
@@ -52,8 +53,12 @@ class Products(Builder):
             # a matrix product of cores (a chain's inner step): one matmul dispatches a
             # third of the ops torch.einsum does (its permutes, views and bmm), fwd and bwd
             # (in the step's order: a later einsum reads its operands in theirs)
-            y = self.weight(step, left, right, _nearest(a, b, out, out), base, comment, out)
-            return self.arrange(y, out, [self.dim(y, i) for i in out])
+            # in the order the product comes out: the next product reads it as it is laid
+            # out, and an einsum permutes it (a view) into its own order below
+            return self.weight(step, left, right, _nearest(a, b, out, out), base, comment, out)
+        # torch.einsum reads its operands in the step's orders
+        left = self.arrange(left, a, [self.dim(left, i) for i in a])
+        right = self.arrange(right, b, [self.dim(right, i) for i in b])
         if len(names) <= len(_LETTERS):
             letter = dict(zip(names, _LETTERS))
             eq = "".join(letter[i] for i in a) + "," + "".join(letter[i] for i in b) + \
@@ -140,20 +145,30 @@ class Products(Builder):
         if own[0] not in a:  # the right operand's own indices come first: it goes left
             left, right, a = right, left, b
         first, second = [i for i in own if i in a], [i for i in own if i not in a]
-        stored_l, stored_r = self.layout[left], self.layout[right]
-        as_stored = ([i for i in stored_l if i in batch], [i for i in stored_l if i in first],
-                     [i for i in stored_r if i in contracted], [i for i in stored_r
-                                                                if i in second])
-        # a permuted operand costs about twice what the product's one permute into the
-        # consumer's layout does (its gradient is permuted back, and copied into a core's)
-        if 2 * (_permutes(stored_l, as_stored[0] + as_stored[1] + as_stored[2]) +
-                _permutes(stored_r, as_stored[0] + as_stored[2] + as_stored[3])) + \
-                (as_stored[0] + as_stored[1] + as_stored[3] != list(wanted)) < \
-                2 * (_permutes(stored_l, batch + first + contracted) +
-                     _permutes(stored_r, batch + contracted + second)) + \
-                (list(order) != list(wanted)):
-            batch, first, contracted, second = as_stored
-            order = tuple(batch + first + second)
+
+        def cost(left: Var | Param, right: Var | Param, batch: list[str], first: list[str],
+                 contracted: list[str], second: list[str]) -> int:
+            # an operand copied into the product's layout costs about four times what the
+            # product's one permute into the consumer's does (its gradient is permuted back,
+            # and copied into a core's); a weight that would read as channels-last in a
+            # contiguous program is out: the conv would hand back a channels-last result
+            order = batch + first + second
+            return _moves(self.layout[left], [batch, first, contracted]) + \
+                _moves(self.layout[right], [batch, contracted, second]) + \
+                (order != list(wanted)) + 100 * (tuple(order) == self.unwanted.get(base))
+        best = (cost(left, right, batch, first, contracted, second), left, right, batch,
+                first, contracted, second)
+        for one, other in ((left, right), (right, left)):  # each operand as it is stored
+            stored, theirs = self.layout[one], set(self.layout[other])
+            mine = set(stored)
+            arranged = ([i for i in stored if i in theirs and i in out],
+                        [i for i in stored if i not in theirs],
+                        [i for i in self.layout[other] if i in mine and i not in out],
+                        [i for i in self.layout[other] if i not in mine])
+            if cost(one, other, *arranged) < best[0]:
+                best = (cost(one, other, *arranged), one, other, *arranged)
+        left, right, batch, first, contracted, second = best[1:]
+        order = tuple(batch + first + second)
         dims = {i: self.dim(h, i) for h in (left, right) for i in self.layout[h]}
         lm = self.merged(left, [batch, first, contracted])
         rm = self.merged(right, [batch, contracted, second])
@@ -165,10 +180,16 @@ class Products(Builder):
         return self.reshape_to(product, order, [dims[i] for i in order], base + "_r")
 
 
-def _permutes(layout: Sequence[str], wanted: Sequence[str]) -> int:
-    """1 where a tensor laid out ``layout`` must be permuted to be read in ``wanted``'s order
-    (the indices of ``layout`` not in ``wanted`` being summed elsewhere: none here)."""
-    return int([i for i in layout if i in wanted] != list(wanted))
+def _moves(layout: Sequence[str], classes: list[list[str]]) -> int:
+    """What reading a tensor laid out ``layout`` as a matrix of the non-empty ``classes``
+    (merged, in that order) costs: 0 as it is stored, 1 where it is the transpose of a
+    matrix it can be viewed as (a view, taken as such by the matmul), 4 where it is copied."""
+    groups = [c for c in classes if c]
+    if list(layout) == [i for c in groups for i in c]:
+        return 0
+    if len(groups) == 2 and list(layout) == groups[1] + groups[0]:
+        return 1
+    return 4
 
 
 def _nearest(a: Sequence[str], b: Sequence[str], out: Sequence[str],

@@ -30,6 +30,10 @@ from .cost import Chooser, CostModel, Mixing
 #: bitmaps of at most this many indices are int64; more are Python ints in object arrays
 INT64_BITS = 62
 
+#: up to this many operands, merges of two cores are priced with their layouts (see
+#: ``Problem.pair_cost``); the exact search stops at 14
+PAIRS_MAX = 16
+
 #: an opt_einsum-style path: pairs of positions in a list where each result goes to the end
 Path = list[tuple[int, ...]]
 
@@ -132,6 +136,17 @@ class Problem:
                 table *= np.where(byte >> j & 1, float(self.sizes[name]), 1.0)
             self.tables.append(table)
         self._legs: dict[int, tuple[str, ...]] = {}
+        # two cores merged where what they share sits inside one's stored layout, neither
+        # first nor last: that core is permuted into a copy forward and its gradient back,
+        # priced as one more step's overhead, so that of two orders alike in cost the one
+        # that takes the cores as they are stored wins (tucker2's kernel: V with G, not U)
+        n = len(self.operands)
+        self.pair_cost = np.zeros(1 << n if n <= PAIRS_MAX else 0)
+        for p in range(1, len(self.pair_cost) and n):
+            for q in range(p + 1, n):
+                one, other = self.operands[p].indices, self.operands[q].indices
+                if _inside(one, set(other)) or _inside(other, set(one)):
+                    self.pair_cost[1 << p | 1 << q] = self.model.overhead
 
     def bits(self, indices: Any) -> int:
         """The bitmap of some indices."""
@@ -227,6 +242,8 @@ class Problem:
                                kernel, traffic)
         by_conv = data & ((res & spatial) != 0) & ((resolved > 0) | (conv < einsum))
         seconds = np.where(allowed, np.where(by_conv, conv, einsum), np.inf)
+        if len(self.pair_cost):
+            seconds = seconds + self.pair_cost[whole.astype(np.int64)]
         return seconds, macs, by_conv
 
     # opt_einsum's view: data carries virtual kernel legs until its relations are resolved
@@ -355,3 +372,10 @@ class Problem:
         outs = [i for i in right.indices if i not in left.indices and i in kept_set]
         outs.sort(key=lambda i: self.output_position.get(i, len(self.output)))
         return tuple(batch + groups + outs + spatial)
+
+
+def _inside(layout: Sequence[str], shared: set[str]) -> bool:
+    """Whether the indices of ``layout`` in ``shared`` are not one run at its start or end."""
+    where = [k for k, i in enumerate(layout) if i in shared]
+    return bool(where) and where != list(range(len(where))) and \
+        where != list(range(len(layout) - len(where), len(layout)))
