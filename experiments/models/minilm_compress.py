@@ -10,6 +10,7 @@ cosine of each test embedding to the original model's.
 
     python -m experiments.models.minilm_compress            # ~60 min on 2 cores
     python -m experiments.models.minilm_compress --smoke    # a tiny version (the tests run it)
+    python -m experiments.models.minilm_compress --allocation 0.25  # ~8 min: how deep to cut
 """
 
 from __future__ import annotations
@@ -152,6 +153,10 @@ def encoder_params(model: nn.Module, prefix: str) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="a tiny version (seconds)")
+    parser.add_argument("--allocation", type=float, metavar="BUDGET",
+                        help="only this budget: the two SVDs and compress with its default "
+                             "shares, shares from 0.1 up and one share (the budget), written "
+                             "to results/minilm_compress_allocation.md (~8 min at 0.25)")
     args = parser.parse_args(argv)
     prefix = "encoder.layer.5." if args.smoke else ENCODER
     started = time.time()
@@ -167,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
                for i in range(0, n_fit, 32)]
     train_texts, test_texts = [texts[i] for i in train_idx], [texts[i] for i in test_idx]
     y_train, y_test = labels[train_idx], labels[test_idx]
-    budgets = (0.5,) if args.smoke else BUDGETS
+    budgets = (0.5,) if args.smoke else (args.allocation,) if args.allocation else BUDGETS
     dense = encoder_params(model, prefix)
 
     def measure(m: nn.Module) -> tuple[float, float, int]:
@@ -195,6 +200,16 @@ def main(argv: list[str] | None = None) -> int:
             "tnspec.compress, sequential, healed (200 steps)": lambda: tnspec.compress(
                 copy.deepcopy(model), budget, data=batches, include=prefix + "*",
                 sequential=True, heal=2 if args.smoke else 200, **small)}
+        if args.allocation:  # how deep compress may cut a layer, against the two SVDs
+            methods = {name: methods[name] for name in (
+                "truncated SVD (weight-only)", "activation-aware SVD",
+                "tnspec.compress with data")}
+            for label, shares in (("shares 0.1-0.5", (0.1, 0.2, 0.35, 0.5)),
+                                  (f"one share, {budget:g}", (budget,))):
+                methods[f"tnspec.compress with data, {label}"] = \
+                    lambda shares=shares: tnspec.compress(
+                        copy.deepcopy(model), budget, data=batches, include=prefix + "*",
+                        **{**small, "shares": shares})
         for method, make in methods.items():
             t = time.time()
             made = make()
@@ -219,7 +234,8 @@ def main(argv: list[str] | None = None) -> int:
             + "\n\n" + "\n".join(f"- compress at {line}" for line in fits))
     print(text)
     if not args.smoke:  # a smoke run writes nothing
-        print(f"wrote {save('minilm_compress', text, started)}")
+        name = "minilm_compress_allocation" if args.allocation else "minilm_compress"
+        print(f"wrote {save(name, text, started)}")
     return 0
 
 
