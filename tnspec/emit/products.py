@@ -156,18 +156,17 @@ class Products(Builder):
             return _moves(self.layout[left], [batch, first, contracted]) + \
                 _moves(self.layout[right], [batch, contracted, second]) + \
                 (order != list(wanted)) + 100 * (tuple(order) == self.unwanted.get(base))
-        best = (cost(left, right, batch, first, contracted, second), left, right, batch,
-                first, contracted, second)
-        for one, other in ((left, right), (right, left)):  # each operand as it is stored
-            stored, theirs = self.layout[one], set(self.layout[other])
-            mine = set(stored)
-            arranged = ([i for i in stored if i in theirs and i in out],
-                        [i for i in stored if i not in theirs],
-                        [i for i in self.layout[other] if i in mine and i not in out],
-                        [i for i in self.layout[other] if i not in mine])
-            if cost(one, other, *arranged) < best[0]:
-                best = (cost(one, other, *arranged), one, other, *arranged)
-        left, right, batch, first, contracted, second = best[1:]
+        # the order asked for, or either operand on the left with both read as stored; the
+        # first of the cheapest
+        options = [(left, right, batch, first, contracted, second)]
+        for one, other in ((left, right), (right, left)):
+            mine, theirs = set(self.layout[one]), set(self.layout[other])
+            options.append((one, other,
+                            [i for i in self.layout[one] if i in theirs and i in out],
+                            [i for i in self.layout[one] if i not in theirs],
+                            [i for i in self.layout[other] if i in mine and i not in out],
+                            [i for i in self.layout[other] if i not in mine]))
+        left, right, batch, first, contracted, second = min(options, key=lambda o: cost(*o))
         order = tuple(batch + first + second)
         dims = {i: self.dim(h, i) for h in (left, right) for i in self.layout[h]}
         lm = self.merged(left, [batch, first, contracted])

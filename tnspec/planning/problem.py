@@ -141,8 +141,9 @@ class Problem:
         # priced as one more step's overhead, so that of two orders alike in cost the one
         # that takes the cores as they are stored wins (tucker2's kernel: V with G, not U)
         n = len(self.operands)
-        self.pair_cost = np.zeros(1 << n if n <= PAIRS_MAX else 0)
-        for p in range(1, len(self.pair_cost) and n):
+        self.pair_cost = np.zeros(1 << n if n <= PAIRS_MAX else 0)  # by group bitmap
+        cores = range(1, n) if n <= PAIRS_MAX else range(0)  # position 0 is the data
+        for p in cores:
             for q in range(p + 1, n):
                 one, other = self.operands[p].indices, self.operands[q].indices
                 if _inside(one, set(other)) or _inside(other, set(one)):
