@@ -9,6 +9,8 @@ import os
 import subprocess
 import sys
 
+import numpy as np
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -144,6 +146,36 @@ def test_the_allocation_is_the_knapsack_optimum():
     # each layer's count rounded up to the DP's unit (7 here) sums past the budget, yet the
     # dense layers fit it exactly: keeping them is the answer, not an error
     assert allocate([[(4001, 0.0)], [(4001, 0.0)], [(4536, 0.0)]], 1.0) == [0, 0, 0]
+
+
+def test_an_allocation_that_fits_by_a_few_parameters_is_found():
+    # 36 layers at one rank fit half the budget with 360 parameters to spare; counted in units
+    # of 900 rounded up, they would not, and six layers would get the far worse candidate
+    items = [[(100_000, 0.0), (49_990, 1.0), (40_000, 5.0)]] * 36
+    assert allocate(items, 0.5) == [1] * 36
+
+
+def test_the_allocation_fits_the_budget_exactly_whatever_the_unit():
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        items = [[(int(rng.integers(50, 200)), 0.0)]
+                 + [(int(rng.integers(1, 120)), float(rng.random())) for _ in range(3)]
+                 for _ in range(4)]
+        budget = float(rng.uniform(0.2, 0.9))
+        capacity = budget * sum(layer[0][0] for layer in items)
+        feasible = [pick for pick in itertools.product(range(4), repeat=4)
+                    if sum(items[i][k][0] for i, k in enumerate(pick)) <= capacity]
+        if not feasible:
+            continue
+        cost = lambda pick: sum(items[i][k][1] for i, k in enumerate(pick))  # noqa: E731
+        coarse = allocate(items, budget, units=7)  # a unit of a few dozen parameters
+        assert sum(items[i][k][0] for i, k in enumerate(coarse)) <= capacity
+        # no worse than counting each candidate rounded up to the unit, as before
+        unit = -(-int(capacity) // 7)
+        up = [pick for pick in feasible
+              if sum(-(-items[i][k][0] // unit) for i, k in enumerate(pick)) <= capacity // unit]
+        assert not up or cost(coarse) <= min(map(cost, up)) + 1e-12
+        assert cost(allocate(items, budget)) == pytest.approx(min(map(cost, feasible)))
 
 
 def test_latency_mode_never_picks_a_layer_slower_than_dense():

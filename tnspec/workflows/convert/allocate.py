@@ -1,6 +1,15 @@
 """The allocation of ``compress``: one candidate per layer (item 0 the dense layer) within a
 parameter budget at the least total cost, as a multiple-choice knapsack over the parameters
-in units (at most ``units`` of them, so that the table stays small)."""
+in units (at most ``units`` of them, so that the table stays small).
+
+Counting parameters in units loses the exact counts. Rounded up, every candidate looks larger
+than it is, and an allocation that fits the budget with a few parameters to spare (all of a
+model's layers at one rank, say) is ruled out, so the table settles for worse candidates
+elsewhere. Rounded down, the table may pick an allocation a few units over the budget. So the
+table is solved rounded down, its pick checked in exact parameters, and solved again with the
+capacity lowered by the overshoot until the pick fits; the rounded-up table's pick (which
+always fits) and each layer's smallest candidate are kept as fallbacks, and the cheapest pick
+that fits in exact parameters is the answer."""
 
 from __future__ import annotations
 
@@ -10,42 +19,70 @@ import numpy as np
 
 from ...errors import SpecError
 
+Items = list[list[tuple[int, float]]]
 
-def allocate(items: list[list[tuple[int, float]]], budget: float, units: int = 2000
-              ) -> list[int]:
+
+def allocate(items: Items, budget: float, units: int = 2000, repairs: int = 8) -> list[int]:
     """The multiple-choice knapsack: per layer, the index of one ``(params, cost)`` item (item
-    0: dense) minimizing the total cost with ``sum params <= budget * sum dense params``."""
-    capacity_params = math.floor(budget * sum(layer[0][0] for layer in items))
+    0: dense) minimizing the total cost with ``sum params <= budget * sum dense params``, the
+    sum counted exactly. ``repairs``: how many times the rounded-down table is solved again
+    with a lower capacity before the rounded-up one's pick is taken."""
+    dense = sum(layer[0][0] for layer in items)
+    capacity_params = math.floor(budget * dense)
+    smallest = [min(range(len(layer)), key=lambda k: layer[k][0]) for layer in items]
+    if _params(items, smallest) > capacity_params:
+        raise SpecError(f"budget={budget:g} is below what the smallest candidates need "
+                        f"({_params(items, smallest):,} of {dense:,} parameters)",
+                        hint="give a larger budget, more formats or smaller shares")
     unit = max(1, math.ceil(capacity_params / units))
+    fits = [smallest]
     capacity = capacity_params // unit
-    inf = math.inf
-    best = np.full(capacity + 1, inf)
+    for _ in range(repairs):
+        picks = _solve(items, capacity, unit, up=False)
+        if picks is None:
+            break
+        over = _params(items, picks) - capacity_params
+        if over <= 0:
+            fits.append(picks)
+            break
+        capacity -= -(-over // unit)
+    picks = _solve(items, capacity_params // unit, unit, up=True)
+    if picks is not None:
+        fits.append(picks)
+    return min(fits, key=lambda picks: sum(items[i][k][1] for i, k in enumerate(picks)))
+
+
+def _params(items: Items, picks: list[int]) -> int:
+    return sum(items[i][k][0] for i, k in enumerate(picks))
+
+
+def _solve(items: Items, capacity: int, unit: int, up: bool) -> list[int] | None:
+    """The table's optimum with each candidate's parameters counted in whole units, rounded
+    ``up`` or down, and at most ``capacity`` units in all; None where nothing fits."""
+    if capacity < 0:
+        return None
+    best = np.full(capacity + 1, math.inf)
     best[0] = 0.0
     back = []
     for layer in items:
-        new = np.full(capacity + 1, inf)
+        new = np.full(capacity + 1, math.inf)
         arg = np.full(capacity + 1, -1, dtype=np.int64)
         for k, (params, cost) in enumerate(layer):
-            need = -(-params // unit)  # rounded up: the budget holds exactly
+            need = -(-params // unit) if up else params // unit
             if need > capacity:
                 continue
-            shifted = np.full(capacity + 1, inf)
+            shifted = np.full(capacity + 1, math.inf)
             shifted[need:] = best[:capacity + 1 - need] + cost
             better = shifted < new
             new[better], arg[better] = shifted[better], k
         back.append(arg)
         best = new
     end = int(np.argmin(best))
-    if not math.isfinite(best[end]) and sum(layer[0][0] for layer in items) <= capacity_params:
-        return [0] * len(items)  # only rounding up to the unit ruled the dense layers out
     if not math.isfinite(best[end]):
-        smallest = sum(min(p for p, _ in layer) for layer in items)
-        raise SpecError(f"budget={budget:g} is below what the smallest candidates need "
-                        f"({smallest:,} of {sum(layer[0][0] for layer in items):,} parameters)",
-                        hint="give a larger budget, more formats or smaller shares")
+        return None
     picks = []
     for layer, arg in zip(reversed(items), reversed(back)):
         k = int(arg[end])
         picks.append(k)
-        end -= -(-layer[k][0] // unit)
+        end -= -(-layer[k][0] // unit) if up else layer[k][0] // unit
     return picks[::-1]
