@@ -16,6 +16,9 @@ same trainable parameters, on the same batches, one learning rate (AdamW 1e-3), 
     python -m experiments.models.minilm_adapters --seeds 1 --rates 1e-3 3e-3 \\
         --methods "low_rank principal" "tt principal" PiSSA LoRA \\
         --out minilm_adapters_principal              # the principal start against PiSSA
+    python -m experiments.models.minilm_adapters --seeds 3 --rates 1e-3 3e-3 \\
+        --methods "tt default" LoRA --share 0.006 --peft-r 8 \\
+        --out minilm_adapters_half                   # TT at half of PEFT's LoRA r=8
 """
 
 from __future__ import annotations
@@ -123,10 +126,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--methods", nargs="+", default=None,
                         help="a subset: tnspec formats (followed by ' +rule': with "
                         "step_rule='spectral'; by ' offset' or ' principal': with that "
-                        "init) and LoRA, LoHa, LoKr, PiSSA")
+                        "init; by ' default': adapt's own init and scale) and LoRA, LoHa, "
+                        "LoKr, PiSSA")
     parser.add_argument("--out", default=None, help="the results file's name")
     parser.add_argument("--scale", type=float, default=1.0,
                         help="adapt's scale= for the tnspec adapters (1.0)")
+    parser.add_argument("--share", type=float, default=SHARE,
+                        help=f"the tnspec adapters' share of each layer ({SHARE})")
+    parser.add_argument("--peft-r", type=int, default=None,
+                        help="PEFT's r (default: the r whose trainable parameters come "
+                        "nearest the first tnspec method's)")
     args = parser.parse_args(argv)
     started = time.time()
     encoder, tokenizer = assets.minilm()
@@ -163,15 +172,16 @@ def main(argv: list[str] | None = None) -> int:
             for lr in rates:
                 model = copy.deepcopy(base)
                 if fmt in tnspec.formats.NAMES:
-                    model, report = tnspec.adapt(
-                        model, fmt, rank=SHARE, include=lambda n, m: n in targets(base),
-                        modules_to_save=["head"],
-                        step_rule="spectral" if "+rule" in flags else None,
+                    start = {} if "default" in flags else dict(
                         init="offset" if "offset" in flags else
                         "principal" if "principal" in flags else "zero", scale=args.scale)
+                    model, report = tnspec.adapt(
+                        model, fmt, rank=args.share, include=lambda n, m: n in targets(base),
+                        modules_to_save=["head"],
+                        step_rule="spectral" if "+rule" in flags else None, **start)
                     reference = reference or report.trainable
                 else:
-                    r = matched_rank(base, method, reference or 120_000)
+                    r = args.peft_r or matched_rank(base, method, reference or 120_000)
                     model = peft_model(model, method, r)
                 trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
                 acc, loss, ms = run(model, copy.deepcopy(batches), test, y_test, lr)
@@ -195,7 +205,9 @@ def main(argv: list[str] | None = None) -> int:
             f"48 tokens), AdamW {rate_text}, seeds {', '.join(map(str, seeds))}; accuracy on "
             f"{n_test:,} held-out snippets (0.5 is chance). Trainable parameters include the "
             "head (770). +rule: `adapt(step_rule=\"spectral\")`; offset, principal: "
-            f"`adapt(init=...)`; tnspec's scale={args.scale:g}. Final train loss: the mean "
+            f"`adapt(init=...)`; tnspec's scale={args.scale:g}; default: `adapt` unasked "
+            f"(its init and scale); tnspec's share of each layer {args.share:g}"
+            + (f", PEFT's r={args.peft_r}" if args.peft_r else "") + ". Final train loss: the mean "
             "of the last 20 steps; nan where a loss was not finite.\n\n"
             + markdown_table(["method", *(["lr"] if len(rates) > 1 else []), "trainable",
                               "accuracy (mean)", "std", "per seed", "final train loss",
