@@ -7,6 +7,10 @@ trained in full; test accuracy on 1,000 images).
     python -m experiments.models.mobilenet_adapters          # one seed: ~25 min on 2 cores
     python -m experiments.models.mobilenet_adapters --seeds 3
     python -m experiments.models.mobilenet_adapters --smoke
+    python -m experiments.models.mobilenet_adapters --seeds 3 --share 0.008 \\
+        --methods "head only" "low_rank default" "cp default" "tucker2 default" \\
+        "tt default" "PEFT LoRA" --out mobilenet_adapters_half
+                    # tnspec's adapters at most half of PEFT LoRA's (the head aside), ~15 min
 """
 
 from __future__ import annotations
@@ -32,6 +36,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--methods", nargs="+", default=None,
                         help="'<format> default', '<format> zero', 'head only', 'PEFT LoRA'")
     parser.add_argument("--out", default="mobilenet_adapters", help="the results file's name")
+    parser.add_argument("--share", type=float, default=0.01,
+                        help="tnspec's adapters and the head together, a share of the "
+                        "network's parameters (0.01)")
+    parser.add_argument("--peft-share", type=float, default=0.01,
+                        help="the same for PEFT's LoRA (0.01)")
     args = parser.parse_args(argv)
     started = time.time()
     n_train, n_test, steps, size = (64, 64, 2, 32) if args.smoke else (3000, 1000, 150, 96)
@@ -52,7 +61,8 @@ def main(argv: list[str] | None = None) -> int:
             for seed in seeds:
                 fmt, *start = method.split() if method not in SPECIAL else (method,)
                 net, trainable = with_adapters(
-                    fmt, 0.01, None if not start or start[0] == "default" else start[0])
+                    fmt, args.peft_share if fmt == "PEFT LoRA" else args.share,
+                    None if not start or start[0] == "default" else start[0])
                 acc, _ = fine_tune(net, data, steps, seed=seed, lr=lr)
                 accs.append(acc)
                 print(method, lr, seed, f"{acc:.3f}", flush=True)
@@ -61,8 +71,9 @@ def main(argv: list[str] | None = None) -> int:
         rows.append((method, f"{trainable:,}", *cells))
     text = ("# Adapters on MobileNetV2's 1x1 convs, Fashion-MNIST, three rates\n\n"
             f"ImageNet MobileNetV2, {n_train:,} training / {n_test:,} test images at "
-            f"{size}x{size}; adapters on the 34 1x1 convs of the features at about 1% of the "
-            f"network with the new head, trained in full; {steps} steps of 32, AdamW; test "
+            f"{size}x{size}; adapters on the 34 1x1 convs of the features, with the new head "
+            f"(trained in full) about {args.share:.2%} of the network's parameters (PEFT's "
+            f"LoRA {args.peft_share:.2%}); {steps} steps of 32, AdamW; test "
             f"accuracy, mean over {len(seeds)} seed(s)"
             + (" (the lowest in brackets)" if len(seeds) > 1 else "") + ". default: `adapt` "
             "unasked (every core drawn, a frozen copy subtracted, `scale = min(1, 4 / n)`); "
