@@ -17,8 +17,8 @@ same trainable parameters, on the same batches, one learning rate (AdamW 1e-3), 
         --methods "low_rank principal" "tt principal" PiSSA LoRA \\
         --out minilm_adapters_principal              # the principal start against PiSSA
     python -m experiments.models.minilm_adapters --seeds 3 --rates 1e-3 3e-3 \\
-        --methods "tt default" LoRA --share 0.006 --peft-r 8 \\
-        --out minilm_adapters_half                   # TT at half of PEFT's LoRA r=8
+        --methods "tt default" "tr default" "tt_lora default" LoRA --share 0.006 \\
+        --peft-r 8 --out minilm_adapters_half  # at a fifth of PEFT LoRA's default r=8
 """
 
 from __future__ import annotations
