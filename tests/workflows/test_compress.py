@@ -150,7 +150,7 @@ def test_the_allocation_is_the_knapsack_optimum():
 
 def test_an_allocation_that_fits_by_a_few_parameters_is_found():
     # 36 layers at one rank fit half the budget with 360 parameters to spare; counted in units
-    # of 900 rounded up, they would not, and six layers would get the far worse candidate
+    # of 900 rounded up, they would not, and two layers would get the far worse candidate
     items = [[(100_000, 0.0), (49_990, 1.0), (40_000, 5.0)]] * 36
     assert allocate(items, 0.5) == [1] * 36
 
