@@ -7,9 +7,10 @@ than it is, and an allocation that fits the budget with a few parameters to spar
 model's layers at one rank, say) is ruled out, so the table settles for worse candidates
 elsewhere. Rounded down, the table may pick an allocation a few units over the budget. So the
 table is solved rounded down, its pick checked in exact parameters, and solved again with the
-capacity lowered by the overshoot until the pick fits; the rounded-up table's pick (which
-always fits) and each layer's smallest candidate are kept as fallbacks, and the cheapest pick
-that fits in exact parameters is the answer."""
+capacity lowered by the overshoot until the pick fits. The first pick, where it fits, is the
+optimum (rounding down only relaxes the table); a repaired one is not, so then the
+rounded-up table's pick (which always fits) and each layer's smallest candidate are kept as
+fallbacks, and the cheapest pick that fits in exact parameters is the answer."""
 
 from __future__ import annotations
 
@@ -30,18 +31,20 @@ def allocate(items: Items, budget: float, units: int = 2000, repairs: int = 8) -
     dense = sum(layer[0][0] for layer in items)
     capacity_params = math.floor(budget * dense)
     smallest = [min(range(len(layer)), key=lambda k: layer[k][0]) for layer in items]
-    if _params(items, smallest) > capacity_params:
+    if (need := _total(items, smallest, 0)) > capacity_params:
         raise SpecError(f"budget={budget:g} is below what the smallest candidates need "
-                        f"({_params(items, smallest):,} of {dense:,} parameters)",
+                        f"({need:,} of {dense:,} parameters)",
                         hint="give a larger budget, more formats or smaller shares")
     unit = max(1, math.ceil(capacity_params / units))
     fits = [smallest]
     capacity = capacity_params // unit
-    for _ in range(repairs):
+    for repair in range(repairs):
         picks = _solve(items, capacity, unit, up=False)
         if picks is None:
             break
-        over = _params(items, picks) - capacity_params
+        over = _total(items, picks, 0) - capacity_params
+        if over <= 0 and repair == 0:
+            return picks  # rounding down only relaxes the table: a pick that fits is optimal
         if over <= 0:
             fits.append(picks)
             break
@@ -49,11 +52,12 @@ def allocate(items: Items, budget: float, units: int = 2000, repairs: int = 8) -
     picks = _solve(items, capacity_params // unit, unit, up=True)
     if picks is not None:
         fits.append(picks)
-    return min(fits, key=lambda picks: sum(items[i][k][1] for i, k in enumerate(picks)))
+    return min(fits, key=lambda picks: _total(items, picks, 1))
 
 
-def _params(items: Items, picks: list[int]) -> int:
-    return sum(items[i][k][0] for i, k in enumerate(picks))
+def _total(items: Items, picks: list[int], field: int) -> float:
+    """The picks' sum of parameters (``field`` 0) or of costs (1)."""
+    return sum(items[i][k][field] for i, k in enumerate(picks))
 
 
 def _solve(items: Items, capacity: int, unit: int, up: bool) -> list[int] | None:
@@ -61,6 +65,10 @@ def _solve(items: Items, capacity: int, unit: int, up: bool) -> list[int] | None
     ``up`` or down, and at most ``capacity`` units in all; None where nothing fits."""
     if capacity < 0:
         return None
+
+    def count(params: int) -> int:
+        return -(-params // unit) if up else params // unit
+
     best = np.full(capacity + 1, math.inf)
     best[0] = 0.0
     back = []
@@ -68,7 +76,7 @@ def _solve(items: Items, capacity: int, unit: int, up: bool) -> list[int] | None
         new = np.full(capacity + 1, math.inf)
         arg = np.full(capacity + 1, -1, dtype=np.int64)
         for k, (params, cost) in enumerate(layer):
-            need = -(-params // unit) if up else params // unit
+            need = count(params)
             if need > capacity:
                 continue
             shifted = np.full(capacity + 1, math.inf)
@@ -84,5 +92,5 @@ def _solve(items: Items, capacity: int, unit: int, up: bool) -> list[int] | None
     for layer, arg in zip(reversed(items), reversed(back)):
         k = int(arg[end])
         picks.append(k)
-        end -= -(-layer[k][0] // unit) if up else layer[k][0] // unit
+        end -= count(layer[k][0])
     return picks[::-1]
