@@ -248,3 +248,26 @@ def test_the_default_start_shares_the_scale_out_over_the_adapted_layers():
     _, zero = tnspec.adapt(net(16), "cp", rank=8, init="zero")
     _, given = tnspec.adapt(net(16), "cp", rank=8, scale=0.5)
     assert zero.scale == 1.0 and given.scale == 0.5
+
+
+def test_the_drawn_scale_counts_the_layers_that_get_an_adapter():
+    """Layers a small share skips ("even rank 1 has ... parameters") take no part of the
+    scale: one wide layer adapted beside twelve narrow ones skipped gets ``min(1, 4 / 1)``,
+    drawn as it would be alone (on MobileNetV2 at a share of 0.008, 2 of 34 convs adapted got
+    4 / 34 before)."""
+    def net() -> nn.Sequential:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(256, 256), *[nn.Linear(4, 4) for _ in range(12)])
+    alone = nn.Sequential(nn.Linear(256, 256))
+    alone.load_state_dict({k: v for k, v in net().state_dict().items() if k.startswith("0.")})
+    model, report = tnspec.adapt(net(), "tt", rank=0.02)
+    assert [a.name for a in report.adapted] == ["0"] and len(report.skipped) == 12
+    assert report.scale == 1.0
+    assert all("over the budget" in why for _, why in report.skipped), \
+        report.skipped
+    torch.manual_seed(1)
+    first = tnspec.adapt(model, "tt", rank=0.02, name="again")[0][0].adapters["again"]
+    torch.manual_seed(1)
+    only = tnspec.adapt(alone, "tt", rank=0.02, name="again")[0][0].adapters["again"]
+    for (k, a), (_, b) in zip(first.state_dict().items(), only.state_dict().items()):
+        assert torch.equal(a, b), k

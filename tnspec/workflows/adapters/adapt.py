@@ -31,7 +31,7 @@ from ..feeding import call, evaluated
 from ..dense_layers import check_forward, is_dense, kind_names
 from ..left_alone import read_directly
 from ..model_tree import Selector, first_skipped, parameter_holders, selected, set_submodule
-from .layers import INITS, Fmt, adapter_layer
+from .layers import INITS, Fmt, Plan, adapter_plan, drawn_layer
 from . import step_rule as step_rule_
 
 #: where every core is drawn, the output variance all of a model's adapters hold together, in
@@ -190,14 +190,13 @@ def adapt(model: nn.Module, fmt: Fmt = "low_rank", *, rank: int | float | None =
     left_alone = read_directly(model)
     holders = parameter_holders(model)
     chosen = _chosen(model, include, exclude, to_save)
-    if scale is None:
-        scale = drawn_scale(init, len({id(m) for _, m, _ in chosen}))
-    root = None
+    # first what each layer would get, nothing drawn: the drawn scale counts the layers that
+    # get an adapter, not those a small share or the format's geometry skips
+    planned: list[tuple[str, nn.Module, Adapted | None, Any, Plan | None]] = []
+    ready: set[int] = set()
     for path, module, owner in chosen:
-        if id(module) in wrapped:  # one module under several names: one Adapted for all
-            owner = wrapped[id(module)][0]
-            if path:
-                set_submodule(model, path, owner)
+        if id(module) in ready:  # one module under several names: one Adapted for all
+            planned.append((path, module, owner, None, None))
             continue
         try:
             if path in left_alone:
@@ -206,10 +205,27 @@ def adapt(model: nn.Module, fmt: Fmt = "low_rank", *, rank: int | float | None =
             if owner is not None and name in owner.adapters:
                 raise SpecError(f"it has an adapter named {name!r} already",
                                 hint="give another name=, or merge_adapters first")
-            original, read = module, check_forward(module)
-            module = read.layer
-            layer, scaling, pad, zeroed, note = adapter_layer(module, fmt, rank, scale, zero,
-                                                              sizes, options, init)
+            read = check_forward(module)
+            plan = adapter_plan(read.layer, fmt, rank, zero, sizes, options)
+        except SpecError as exc:
+            skipped.append((path or type(module).__name__, exc.message))
+            continue
+        ready.add(id(module))
+        planned.append((path, module, owner, read, plan))
+    if scale is None:
+        scale = drawn_scale(init, len(ready))
+    root = None
+    for path, original, owner, read, plan in planned:
+        if plan is None:
+            if id(original) not in wrapped:  # its first name's adapter failed to draw
+                continue
+            owner = wrapped[id(original)][0]
+            if path:
+                set_submodule(model, path, owner)
+            continue
+        module = read.layer
+        try:
+            layer, scaling, pad, zeroed, note = drawn_layer(module, plan, scale, init)
             step_rule_.bound(layer, step_rule, zeroed)
             offset = frozen_copy(layer) if init in ("offset", "principal") else None
         except SpecError as exc:

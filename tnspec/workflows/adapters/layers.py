@@ -7,6 +7,7 @@ variance, the output-side core zero (``init="zero"``) or drawn and later offset 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any, Mapping
 
 import torch
@@ -36,6 +37,16 @@ INITS = ("zero", "offset", "principal")
 PRINCIPAL_FIT = {"starts": 1, "hops": 0, "max_iter": 30, "max_seconds": 10.0}
 
 
+@dataclass(frozen=True)
+class Plan:
+    """What :func:`adapter_plan` checked of one layer's adapter, before anything is drawn: its
+    network, ``F.pad``'s arguments for the base's padding (None: none) and the zeroed core."""
+
+    net: Network
+    pad: tuple[tuple[int, ...], str] | None
+    zeroed: str
+
+
 def adapter_layer(base: nn.Module, fmt: Fmt, rank: int | float | None, scale: float,
                   zero: str | None, sizes: Mapping[str, int] | None,
                   options: Mapping[str, Any], init: str = "zero"
@@ -44,6 +55,13 @@ def adapter_layer(base: nn.Module, fmt: Fmt, rank: int | float | None, scale: fl
     (``init="zero"``: the zeroed core at zero; ``"offset"``: drawn, for a frozen copy to
     cancel; ``"principal"``: fitted to the base weight, for a frozen copy to cancel); a
     SpecError says why there is none."""
+    return drawn_layer(base, adapter_plan(base, fmt, rank, zero, sizes, options), scale, init)
+
+
+def adapter_plan(base: nn.Module, fmt: Fmt, rank: int | float | None, zero: str | None,
+                 sizes: Mapping[str, int] | None, options: Mapping[str, Any]) -> Plan:
+    """The adapter ``base`` would get, checked and nothing drawn; a SpecError says why there
+    is none (``adapt`` counts the layers that get one before it draws any)."""
     padding, pad = _padding(base)
     if isinstance(fmt, str) and fmt in formats.NAMES:
         if sizes:
@@ -64,6 +82,19 @@ def adapter_layer(base: nn.Module, fmt: Fmt, rank: int | float | None, scale: fl
                             hint="write the spec without padding: it then runs on the input "
                             "padded as the layer pads it")
         pad = None
+    zeroed = decompose.output_core(net) if zero is None else zero
+    cores = [c.core for c in core_inits(net)]
+    if zeroed not in cores:
+        raise SpecError(f"zero={zero!r} is not a core of {net.spec}",
+                        hint=f"the cores are {', '.join(cores)}")
+    return Plan(net, pad, zeroed)
+
+
+def drawn_layer(base: nn.Module, plan: Plan, scale: float, init: str = "zero"
+                ) -> tuple[Layer, float, tuple[tuple[int, ...], str] | None, str, str]:
+    """The adapter ``plan`` describes for ``base``, drawn for an output variance of ``scale``
+    times the base layer's: ``(layer, scaling, pad, zeroed core, note)``."""
+    net, pad, zeroed = plan.net, plan.pad, plan.zeroed
     weight = weight_of(base).detach()
     out = weight.shape[0]
     note = ""
@@ -79,11 +110,7 @@ def adapter_layer(base: nn.Module, fmt: Fmt, rank: int | float | None, scale: fl
     net = _with_options(net, init="graph-in", activation=activation, bias=False)
     cls = TensorizedLinear if is_linear(base) else TensorizedConv
     layer = cls(net, dtype=weight.dtype, device=weight.device)
-    zeroed = decompose.output_core(net) if zero is None else zero
     stds = {c.core: c.std(net.sizes) for c in core_inits(net)}
-    if zeroed not in stds:
-        raise SpecError(f"zero={zero!r} is not a core of {net.spec}",
-                        hint=f"the cores are {', '.join(stds)}")
     with torch.no_grad():  # in units of its Graph-in std
         if init == "zero":
             getattr(layer, zeroed).zero_()
