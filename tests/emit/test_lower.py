@@ -169,3 +169,40 @@ def test_channel_mixing_by_einsum_keeps_no_copy_of_the_data_for_backward(monkeyp
     (gx,) = torch.autograd.grad(y, x, torch.ones_like(want))
     (gw,) = torch.autograd.grad(want, x, torch.ones_like(want))
     torch.testing.assert_close(gx, gw, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
+@pytest.mark.parametrize("spec", [
+    "x[b, c, h+kh-1, w+kw-1], A[r, c], KH[r, kh], KW[r, kw], B[o, r] -> y[b, o, h, w]",
+    "x[b, c, h+kh-1, w+kw-1], A[c, r], KH[kh, r], KW[kw, r], B[r, o] -> y[b, o, h, w]",
+    "x[b, c, 2*h+kh-1, w+kw-1], A[c, r], K[kh, kw, r], B[o, r] -> y[b, o, h, w]",
+])
+def test_a_kernel_built_by_outer_products_is_the_dense_layers(spec, channels_last):
+    """Outer products of cores (CP's kernels) are one broadcast multiply of the cores viewed
+    as stored, in the order the conv reads or the nearest that reads both cores as stored:
+    forward and gradients equal the independent dense reference's, in every order a planner
+    gives, contiguous and channels-last."""
+    from ..reference import dense_forward
+    multiplied = []
+    for planner in ("auto", "dense-first", "left-to-right"):
+        torch.manual_seed(0)
+        layer = tnspec.layer(spec, c=6, o=5, r=3, kh=3, kw=2, bias=False, planner=planner,
+                             autotune=False).double()
+        x = torch.randn(2, 6, 9, 8, dtype=torch.float64)
+        if channels_last:
+            layer = layer.to(memory_format=torch.channels_last)
+            x = x.contiguous(memory_format=torch.channels_last)
+        x.requires_grad_(True)
+        y = layer(x)
+        source = tnspec.emit.runtime.source_of(layer._last_class.forward)
+        if "torch.mul(" in source:
+            multiplied.append(planner)
+        cores = {c.name: getattr(layer, c.name) for c in layer.network.cores}
+        want = dense_forward(layer.network, x, cores)
+        torch.testing.assert_close(y, want)
+        g = torch.randn_like(y)
+        got = torch.autograd.grad(y, [x, *cores.values()], g)
+        expected = torch.autograd.grad(want, [x, *cores.values()], g)
+        for a, b in zip(got, expected):
+            torch.testing.assert_close(a, b)
+    assert multiplied, "no order built a kernel by a broadcast multiply"

@@ -46,6 +46,11 @@ class Products(Builder):
             if set(a) - set(out) and set(a) - set(b) and set(b) - set(a):  # a matrix product
                 return self.weight(step, left, right, order, base, comment,
                                    self.wanted[base])
+            if not step.data_side and set(a) | set(b) <= set(out):  # cores, nothing summed:
+                # a Khatri-Rao step (CP's kernel)
+                outer = self.outer(left, right, self.wanted[base], base, comment)
+                if outer is not None:
+                    return outer
             out = order  # an outer product: torch.einsum writes it contiguous in this order
             dims = [self.dim(left, i) if i in a else self.dim(right, i) for i in out]
         elif not step.data_side and set(a) - set(out) and set(a) - set(b) and \
@@ -127,6 +132,29 @@ class Products(Builder):
             y = self.arrange(y, out, [dims[natural.index(i)] for i in out])
         return y
 
+    def outer(self, left: Var | Param, right: Var | Param, order: Sequence[str], base: str,
+              comment: str) -> Var | None:
+        """An outer product of two cores (indices they share kept, as CP's rank), written
+        contiguous in ``order`` by one broadcast multiply of the cores viewed with unit axes:
+        three ops forward where ``torch.einsum`` dispatches nine (its unsqueezes, permutes
+        and views), and none of the permutes back. Where a core's indices come in another
+        order than ``order``'s, the product is written in the order nearest to it that reads
+        both as stored (:func:`_merged`), for the step that reads it to permute (a view);
+        None where there is none."""
+        merged = _merged(self.layout[left], self.layout[right], order)
+        if merged is None:
+            return None
+        order, views = merged, []
+        for holder in (left, right):
+            layout = self.layout[holder]
+            views.append(self.reshape_to(holder, order, [self.dim(holder, i) if i in layout
+                                                         else Size.of(1) for i in order],
+                                         holder.name + "_v"))
+        dims = [self.dim(left, i) if i in self.layout[left] else self.dim(right, i)
+                for i in order]
+        return self.call(base, "torch.mul", *views, layout=tuple(order), dims=dims,
+                         comment=comment.replace("einsum", "outer product", 1))
+
     def weight(self, step: Step, left: Var | Param, right: Var | Param,
                order: tuple[str, ...], base: str, comment: str,
                wanted: Sequence[str]) -> Var | Param:
@@ -177,6 +205,23 @@ class Products(Builder):
                                   for c in flat],
                             comment=comment.replace("einsum", "the next step's weight", 1))
         return self.reshape_to(product, order, [dims[i] for i in order], base + "_r")
+
+
+def _merged(a: Sequence[str], b: Sequence[str], wanted: Sequence[str]) -> list[str] | None:
+    """The order of the indices of ``a`` and ``b`` that keeps each in its own order, an index
+    they share where it stands in both, taking first the index that comes first in
+    ``wanted`` (``wanted`` itself where both are in its order); None where a shared index
+    would have to come at two places."""
+    rank = {i: k for k, i in enumerate(wanted)}
+    a, b, order = list(a), list(b), []
+    while a or b:
+        heads = [h for h in (a[:1] + b[:1]) if not (h in a and h in b) or a[0] == b[0] == h]
+        if not heads:
+            return None
+        head = min(heads, key=lambda i: rank.get(i, len(rank)))
+        order.append(head)
+        a, b = [i for i in a if i != head], [i for i in b if i != head]
+    return order
 
 
 def _moves(layout: Sequence[str], classes: list[list[str]]) -> int:
