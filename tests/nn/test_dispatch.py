@@ -78,7 +78,7 @@ def test_the_compiled_form_keeps_the_flattened_1x1_conv(conv1x1):
 
 # ops of one forward and backward of a 64 -> 64 3x3 layer at 10% of its parameters (RESULTS.md,
 # "Ops dispatched per training step"); by hand, as three convs, 10
-CEILINGS = {"low_rank": 15, "cp": 31, "tucker2": 14, "tt": 32, "tr": 53}
+CEILINGS = {"low_rank": 9, "cp": 31, "tucker2": 14, "tt": 32, "tr": 53}
 
 
 @pytest.mark.parametrize("fmt", sorted(CEILINGS))
@@ -160,9 +160,10 @@ def test_a_tensorized_resnet_dispatches_the_hand_written_ops_and_a_view_per_1x1_
 
 def test_adapter_starts_dispatch_what_they_did_and_scaling_one_costs_no_multiply():
     """A low_rank r=8 adapter on a 256 -> 256 linear, forward and backward to its cores and
-    input. The zero start runs the adapter once (33 ops; PEFT's LoRA 27); the default start
-    runs it twice, the frozen copy cancelling the drawn one (50); the principal start, whose
-    scaling is 1, the same less the multiply by it, forward and back (48)."""
+    input. The zero start runs the adapter once (31 ops, 33 before low_rank's factors were laid
+    out as LoRA's, output index first; PEFT's LoRA 27); the default start runs it twice, the
+    frozen copy cancelling the drawn one (46); the principal start, whose scaling is 1, the
+    same less the multiply by it, forward and back (44)."""
     torch.manual_seed(0)
     x = torch.randn(32, 256, requires_grad=True)
     counts = {}
@@ -170,6 +171,6 @@ def test_adapter_starts_dispatch_what_they_did_and_scaling_one_costs_no_multiply
         model, _ = tnspec.adapt(nn.Sequential(nn.Linear(256, 256)), "low_rank", rank=8,
                                 init=init)
         counts[init] = step_ops(model, x)
-    assert sum(counts["zero"].values()) <= 33 and sum(counts["offset"].values()) <= 50
+    assert sum(counts["zero"].values()) <= 31 and sum(counts["offset"].values()) <= 46
     assert counts["principal"]["mul"] == 0 and counts["offset"]["mul"] == 2
     assert sum(counts["principal"].values()) == sum(counts["offset"].values()) - 2

@@ -17,7 +17,9 @@ def _standard(p: Parts, r: list[str]) -> list[list[str]]:
 
 
 def _low_rank(p: Parts, r: list[str]) -> list[list[str]]:
-    return [p.ins + p.ks + r, r + p.outs]
+    """LoRA's layout, each factor output index first as a conv's or linear's weight is: the
+    layer's two convs (or linears) take them as stored."""
+    return [r + p.ins + p.ks, p.outs + r]
 
 
 def _cp(p: Parts, r: list[str]) -> list[list[str]]:
