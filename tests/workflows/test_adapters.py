@@ -462,3 +462,28 @@ def test_a_sample_the_model_does_not_take_raises_with_the_model_untouched():
                        r"model\(\*batch\)"):
         tnspec.adapt(model, "tt", rank=2, sample=(torch.randn(3, 4), torch.randn(3)))
     assert unchanged(before, model)
+
+
+def test_an_error_while_drawing_an_adapter_leaves_the_model_as_it_was(monkeypatch):
+    """Every adapter is drawn before ``adapt`` changes the model: an error while drawing one
+    (here the second layer's frozen copy; a principal start's fit, an interrupt) leaves it
+    exactly as it was, the adapters it held, their values, ``requires_grad`` and ties too."""
+    from tnspec.workflows.adapters import adapt as adapt_module
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 8), nn.LayerNorm(8))
+    model[3].weight = model[1].weight  # a tie, which the snapshot holds too
+    model, _ = tnspec.adapt(model, "low_rank", rank=2, name="first", include="0")
+    model[1].bias.requires_grad_(True)  # adapt froze it: a flag a new adapt would set again
+    before = snapshot(model)
+    calls = []
+    real = adapt_module.frozen_copy
+
+    def failing(layer):
+        calls.append(layer)
+        if len(calls) == 2:
+            raise RuntimeError("out of memory")
+        return real(layer)
+    monkeypatch.setattr(adapt_module, "frozen_copy", failing)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        tnspec.adapt(model, "tt", rank=2, name="second", include=["0", "2"])
+    assert len(calls) == 2 and unchanged(before, model)

@@ -31,7 +31,7 @@ from ..feeding import call, evaluated
 from ..dense_layers import check_forward, is_dense, kind_names
 from ..left_alone import read_directly
 from ..model_tree import Selector, first_skipped, parameter_holders, selected, set_submodule
-from .layers import INITS, Fmt, Plan, adapter_plan, drawn_layer
+from .layers import INITS, AdapterPlan, Fmt, adapter_plan, drawn_layer
 from . import step_rule as step_rule_
 
 #: where every core is drawn, the output variance all of a model's adapters hold together, in
@@ -192,7 +192,7 @@ def adapt(model: nn.Module, fmt: Fmt = "low_rank", *, rank: int | float | None =
     chosen = _chosen(model, include, exclude, to_save)
     # first what each layer would get, nothing drawn: the drawn scale counts the layers that
     # get an adapter, not those a small share or the format's geometry skips
-    planned: list[tuple[str, nn.Module, Adapted | None, Any, Plan | None]] = []
+    planned: list[tuple[str, nn.Module, Adapted | None, Any, AdapterPlan | None]] = []
     ready: set[int] = set()
     for path, module, owner in chosen:
         if id(module) in ready:  # one module under several names: one Adapted for all
@@ -214,23 +214,31 @@ def adapt(model: nn.Module, fmt: Fmt = "low_rank", *, rank: int | float | None =
         planned.append((path, module, owner, read, plan))
     if scale is None:
         scale = drawn_scale(init, len(ready))
-    root = None
+    # then every adapter drawn, the model untouched, so that an error while drawing (a fit
+    # of the principal start, an interrupt) leaves the model as it was
+    drawn = []
     for path, original, owner, read, plan in planned:
         if plan is None:
+            drawn.append((path, original, owner, read, None))
+            continue
+        try:
+            layer, scaling, pad, zeroed, note = drawn_layer(read.layer, plan, scale, init)
+            step_rule_.bound(layer, step_rule, zeroed)
+            offset = frozen_copy(layer) if init in ("offset", "principal") else None
+        except SpecError as exc:
+            skipped.append((path or type(original).__name__, exc.message))
+            continue
+        drawn.append((path, original, owner, read, (layer, scaling, pad, zeroed, note, offset)))
+    root = None
+    for path, original, owner, read, new in drawn:
+        if new is None:
             if id(original) not in wrapped:  # its first name's adapter failed to draw
                 continue
             owner = wrapped[id(original)][0]
             if path:
                 set_submodule(model, path, owner)
             continue
-        module = read.layer
-        try:
-            layer, scaling, pad, zeroed, note = drawn_layer(module, plan, scale, init)
-            step_rule_.bound(layer, step_rule, zeroed)
-            offset = frozen_copy(layer) if init in ("offset", "principal") else None
-        except SpecError as exc:
-            skipped.append((path or type(module).__name__, exc.message))
-            continue
+        module, (layer, scaling, pad, zeroed, note, offset) = read.layer, new
         owner = owner or Adapted(read.base(original))
         owner.add(name, layer, scaling, pad, zeroed, offset)
         wrapped[id(original)] = (owner, path)

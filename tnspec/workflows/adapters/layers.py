@@ -38,7 +38,7 @@ PRINCIPAL_FIT = {"starts": 1, "hops": 0, "max_iter": 30, "max_seconds": 10.0}
 
 
 @dataclass(frozen=True)
-class Plan:
+class AdapterPlan:
     """What :func:`adapter_plan` checked of one layer's adapter, before anything is drawn: its
     network, ``F.pad``'s arguments for the base's padding (None: none) and the zeroed core."""
 
@@ -59,7 +59,7 @@ def adapter_layer(base: nn.Module, fmt: Fmt, rank: int | float | None, scale: fl
 
 
 def adapter_plan(base: nn.Module, fmt: Fmt, rank: int | float | None, zero: str | None,
-                 sizes: Mapping[str, int] | None, options: Mapping[str, Any]) -> Plan:
+                 sizes: Mapping[str, int] | None, options: Mapping[str, Any]) -> AdapterPlan:
     """The adapter ``base`` would get, checked and nothing drawn; a SpecError says why there
     is none (``adapt`` counts the layers that get one before it draws any)."""
     padding, pad = _padding(base)
@@ -83,14 +83,14 @@ def adapter_plan(base: nn.Module, fmt: Fmt, rank: int | float | None, zero: str 
                             "padded as the layer pads it")
         pad = None
     zeroed = decompose.output_core(net) if zero is None else zero
-    cores = [c.core for c in core_inits(net)]
+    cores = [c.name for c in net.cores]
     if zeroed not in cores:
         raise SpecError(f"zero={zero!r} is not a core of {net.spec}",
                         hint=f"the cores are {', '.join(cores)}")
-    return Plan(net, pad, zeroed)
+    return AdapterPlan(net, pad, zeroed)
 
 
-def drawn_layer(base: nn.Module, plan: Plan, scale: float, init: str = "zero"
+def drawn_layer(base: nn.Module, plan: AdapterPlan, scale: float, init: str = "zero"
                 ) -> tuple[Layer, float, tuple[tuple[int, ...], str] | None, str, str]:
     """The adapter ``plan`` describes for ``base``, drawn for an output variance of ``scale``
     times the base layer's: ``(layer, scaling, pad, zeroed core, note)``."""
