@@ -23,10 +23,6 @@ def _low_rank(p: Parts, r: list[str]) -> list[list[str]]:
 
 
 def _cp(p: Parts, r: list[str]) -> list[list[str]]:
-    return [p.ins + r] + [[k] + r for k in p.ks] + [r + p.outs]
-
-
-def _cp_out_first(p: Parts, r: list[str]) -> list[list[str]]:
     """CP with the rank first in every factor but the output one, whose output index is first:
     each of the layer's kernels is one broadcast multiply of two factors as stored, written
     in the layout its conv reads (the convs' weights are output index first)."""
@@ -110,7 +106,7 @@ class Topology(NamedTuple):
 TOPOLOGIES: dict[str, Topology] = {
     "standard": Topology(_standard, lambda p: 0, "W"),
     "low_rank": Topology(_low_rank, lambda p: 1, "UV"),
-    "cp": Topology(_cp_out_first, lambda p: 1, ""),
+    "cp": Topology(_cp, lambda p: 1, ""),
     "tucker": Topology(_tucker, lambda p: 2 + len(p.ks), ""),
     "tucker2": Topology(_tucker2_out_first, lambda p: 2, "UGV"),
     # Hyper Tucker-2 (paper Fig. 5): Tucker-2's graph; formats gives it phi=4 by default
