@@ -55,7 +55,7 @@ RESERVED_NAMES = frozenset("""
     set_submodule share_memory state_dict to to_empty train training type xpu zero_grad
     bias spec sizes network plan program planner autotune max_elements reset_parameters self
     source plan_cache_size autotune_seconds max_bytes in_channels out_channels kernel_size stride
-    padding dilation groups in_features out_features dense_weight fit_ code_of
+    padding dilation groups in_features out_features dense_weight fit_ code_of keep_built
     torch
 """.split())
 #: torch has conv1d, conv2d and conv3d: one step resolves at most three relations

@@ -25,7 +25,7 @@ from typing import Any, NamedTuple, Sequence
 from .._version import __version__
 from ..errors import SpecError
 from ..ir import Formula, Network
-from ..program import Call, Namer, Program
+from ..program import Call, Namer, Program, built_from_cores, reads
 from ..shapes import embedding_attributes, geometry, nn_attributes
 from ..analysis.init import CoreInit, activation_scale, core_inits
 from . import safe
@@ -34,6 +34,30 @@ from .lower import from_cores
 from .statements import attr, statement
 
 _MODULE_NAMES = frozenset({"F", "nn", "torch"})  # the generated module's imports
+
+
+#: printed once into a module whose forwards build weights from cores: a layer with
+#: ``keep_built`` set (a frozen copy of an adapter) builds them once while no core needs a
+#: gradient. A change is seen through the cores' version counters (every in-place op, an
+#: optimizer's step, ``load_state_dict``) and their storage (a replaced core, ``.to``); a write
+#: through ``.data`` bumps no counter, hence off by default.
+REUSED = '''def _reused(layer: nn.Module, build) -> tuple[torch.Tensor, ...]:
+    """build(layer): the weights forward builds from the cores alone, built once and reused
+    where the layer asks (keep_built) while no core needs a gradient and none changed."""
+    if not getattr(layer, "keep_built", False) or torch.compiler.is_compiling() or \\
+            hasattr(layer, "parametrizations"):
+        return build(layer)
+    cores = tuple(layer.parameters())
+    if torch.is_grad_enabled() and any(c.requires_grad for c in cores):
+        return build(layer)
+    key = (build, torch.is_inference_mode_enabled(),
+           *((c._version, c.data_ptr(), c.dtype, c.device) for c in cores))
+    kept = layer.__dict__.get("_kept")
+    if kept is None or kept[0] != key:
+        with torch.no_grad():
+            # the cores detached, held with the weights: their storage stays theirs
+            kept = layer.__dict__["_kept"] = (key, [c.detach() for c in cores], build(layer))
+    return kept[2]'''
 
 
 class LayerCode(NamedTuple):
@@ -62,6 +86,9 @@ def generate(layers: Sequence[LayerCode], source: str | None = None) -> str:
                  for lay in layers if lay.program for n in lay.program.nodes)
     lines += ["import torch"] + \
         (["import torch.nn.functional as F"] if uses_f else []) + ["from torch import nn"]
+    reuses = any(lay.program and built_from_cores(lay.program)[0] for lay in layers)
+    if reuses:
+        lines += ["", "", *REUSED.splitlines()]
     for lay in layers:
         lines += ["", "", *_Class(lay).lines()]
     return "\n".join(lines).rstrip() + "\n"
@@ -107,6 +134,8 @@ class _Class:
             doc += ["", f"{INDENT}spec = ({parts[0]}"]
             doc += [f"{INDENT}        {part}" for part in parts[1:]]
             doc[-1] += ")"
+        if self.p is not None and built_from_cores(self.p)[0]:
+            doc.append(f"{INDENT}keep_built = False  # True: build the weights once while frozen")
         doc.append("")
         body = self.init() + [""] + self.reset() + [""] + self.extra_repr() + self.apply()
         if self.p is not None:
@@ -220,17 +249,49 @@ class _Class:
     def forward(self) -> list[str]:
         p, i2 = self.p, INDENT * 2
         assert p is not None
+        built, kept = built_from_cores(p)
         lines = [f"{INDENT}def forward(self, {p.data}: torch.Tensor) -> torch.Tensor:"]
         if p.unbatched:  # as nn.ConvNd and nn.Linear take one
             dims = len(p.network.input.axes)
             lines += [f"{i2}{p.unbatched} = {p.data}.dim() == {dims - 1}  # an unbatched input",
                       f"{i2}if {p.unbatched}:",
                       f"{i2}{INDENT}{p.data} = {p.data}.unsqueeze(0)"]
-        if p.sizes:
-            targets = ", ".join(v for v, _ in p.sizes)
-            values = ", ".join(f"self.sizes[{i!r}]" for _, i in p.sizes)
-            lines += wrap_assign(i2, targets, values)
-        for cores_only, run in groupby(p.nodes, lambda n: isinstance(n, Call) and n.cores_only):
+        read = set().union(*(reads(n) for n in p.nodes if n not in built))
+        sizes = [(v, i) for v, i in p.sizes if v in read or not built]
+        if sizes:
+            lines += wrap_assign(i2, ", ".join(v for v, _ in sizes),
+                                 ", ".join(f"self.sizes[{i!r}]" for _, i in sizes))
+        first = next((k for k, n in enumerate(p.nodes) if n in built), None)
+        for k, node in enumerate(p.nodes):
+            if k == first:  # the checks of the data come first, as before
+                names = ", ".join(kept) + ("," if len(kept) == 1 else "")
+                lines += [f"{i2}if torch.jit.is_scripting():",
+                          f"{i2}{INDENT}{names} = self._weights()",
+                          f"{i2}else:  # kept by a frozen layer: see _reused",
+                          f"{i2}{INDENT}{names} = _reused(self, {class_name(self.net)}._weights)"]
+            if node not in built:
+                lines += statement(node, i2)
+        if p.unbatched:
+            lines += [f"{i2}if {p.unbatched}:",
+                      f"{i2}{INDENT}{p.result} = {p.result}.squeeze(0)"]
+        lines.append(f"{i2}return {p.result}")
+        return lines + self.weights(built, kept)
+
+    def weights(self, built: Sequence[Call], kept: Sequence[str]) -> list[str]:
+        """``_weights``: what ``forward`` builds from the cores alone (``kept``), by ``built``."""
+        if not built:
+            return []
+        p, i2 = self.p, INDENT * 2
+        assert p is not None
+        read = set().union(*(reads(n) for n in built))
+        sizes = [(v, i) for v, i in p.sizes if v in read]
+        typed = ", ".join(["torch.Tensor"] * len(kept))  # TorchScript wants each one
+        lines = ["", *wrap_line(f"{INDENT}def _weights(self) -> tuple[{typed}]:"),
+                 f'{i2}"""What forward reads of the cores: built from them alone."""']
+        if sizes:
+            lines += wrap_assign(i2, ", ".join(v for v, _ in sizes),
+                                 ", ".join(f"self.sizes[{i!r}]" for _, i in sizes))
+        for cores_only, run in groupby(built, lambda n: n.cores_only):
             if cores_only:
                 # TorchScript takes only a constant device type, hence both
                 lines += comment("built from the cores alone, in their precision: under autocast "
@@ -239,11 +300,7 @@ class _Class:
                              "torch.autocast('cpu', enabled=False):")
             for node in run:
                 lines += statement(node, i2 + INDENT * cores_only)
-        if p.unbatched:
-            lines += [f"{i2}if {p.unbatched}:",
-                      f"{i2}{INDENT}{p.result} = {p.result}.squeeze(0)"]
-        lines.append(f"{i2}return {p.result}")
-        return lines
+        return lines + [f"{i2}return {', '.join(kept)}" + ("," if len(kept) == 1 else "")]
 
 
 def _code(value: Any) -> str:

@@ -54,6 +54,10 @@ class Layer(nn.Module):
     #: (``adapt(init="offset")``) runs its adapter's code, so that the two compute alike, bit
     #: for bit, while their cores are equal. Set through ``__dict__``: not a submodule.
     code_of: Layer | None = None
+    #: reuse the weights ``forward`` builds of the cores alone while no core needs a gradient
+    #: and none changed (seen: in-place ops, optimizer steps, ``.to``, a replaced core; not: a
+    #: write through ``.data``, hence off unless set). Frozen copies of adapters set it.
+    keep_built: bool = False
 
     def __init__(self, network: Network, *, dtype: torch.dtype | None = None,
                  device: torch.device | str | None = None, planner: str = "auto",
@@ -99,6 +103,7 @@ class Layer(nn.Module):
         tracing anew (a copy is another layer)."""
         self.__dict__["_trace_name"] = runtime.traced_as(self)
         self.__dict__.pop("_traced_class", None)
+        self.__dict__.pop("_kept", None)
         self._classes: OrderedDict[tuple, type] = OrderedDict()
         self._plans: dict[tuple, tuple[tuple[int, ...], Plan]] = {}  # each class's shape, plan
         self._last_class: type | None = None
@@ -114,6 +119,7 @@ class Layer(nn.Module):
                      "_last_autocast", "_last_channels_last", "_trace_name"):
             del state[name]
         state.pop("_traced_class", None)
+        state.pop("_kept", None)  # weights built from the cores (keep_built)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:

@@ -157,6 +157,7 @@ def frozen_copy(layer: Layer) -> Layer:
         for core in layer.network.cores:
             getattr(twin, core.name).copy_(getattr(layer, core.name))
     twin.__dict__["code_of"] = layer  # not a submodule: no second copy in the state
+    twin.keep_built = True  # frozen: what it builds of its cores is built once
     return twin.requires_grad_(False)
 
 
