@@ -143,11 +143,7 @@ def test_compiled_it_builds_in_the_graph_with_no_recompile():
     torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("fmt", ["tt", "tr", "tt_lora"])
-def test_the_default_adapter_start_builds_its_frozen_copy_once(fmt):
-    """The frozen copy a default ``adapt`` start subtracts builds its factor matrices once:
-    a training step dispatches what the zero start does plus the frozen copy's contraction
-    with the data, forward and back, and not one op that builds a weight."""
+def default_and_zero_step_ops(fmt: str) -> tuple[dict, dict, nn.Module]:
     torch.manual_seed(0)
     x = torch.randn(16, 64)
     counts = {}
@@ -159,8 +155,51 @@ def test_the_default_adapter_start_builds_its_frozen_copy_once(fmt):
         with Count() as counted:
             model(x).backward(g)
         counts[init] = counted.ops
-    extra = counts["offset"] - counts["zero"]
+    return counts["offset"], counts["zero"], model
+
+
+@pytest.mark.parametrize("fmt", ["tr", "tt_lora"])
+def test_the_default_adapter_start_builds_its_frozen_copy_once(fmt):
+    """The frozen copy a default ``adapt`` start subtracts builds its factor matrices once:
+    a training step dispatches what the zero start does plus the frozen copy's contraction
+    with the data and one subtraction, and not one op that builds a weight."""
+    offset, zero, model = default_and_zero_step_ops(fmt)
+    extra = offset - zero
     frozen = model[0].offsets["default"]
     assert frozen.keep_built and "_kept" in frozen.__dict__
-    builds = {"permute", "clone", "_unsafe_view"}  # a kernel's layout, after its matmuls
-    assert not builds & set(extra), dict(extra)
+    assert not zero - offset and extra["sub"] == 1
+    assert not {"permute", "clone", "_unsafe_view"} & set(extra), dict(extra)
+
+
+def test_where_one_weight_meets_the_data_the_default_start_costs_one_subtraction():
+    """TT on a linear builds the dense weight, then one F.linear: the adapter less its frozen
+    copy is that F.linear with the difference of the two weights."""
+    offset, zero, _ = default_and_zero_step_ops("tt")
+    assert dict(offset - zero) == {"sub": 1} and not zero - offset
+
+
+@pytest.mark.parametrize("fmt", ["tt", "tr"])
+def test_the_difference_of_weights_computes_what_the_two_layers_did(fmt):
+    """Exact at init without autograd, and after training the adapter less its copy, as the
+    two layers run one after the other compute it (to float rounding)."""
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(64, 64))
+    model, _ = tnspec.adapt(base, fmt, rank=0.2)
+    x = torch.randn(16, 64)
+    with torch.no_grad():
+        assert torch.equal(model(x), model[0].base(x))
+    opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    for _ in range(3):
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    adapted = model[0]
+    adapter, frozen = adapted.adapters["default"], adapted.offsets["default"]
+    want = adapted.base(x) + adapted.scaling["default"] * (adapter(x) - frozen(x))
+    got = model(x)
+    assert "_minus" not in adapter.__dict__
+    assert (want - adapted.base(x)).abs().max() > 1e-3  # it trained
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    torch._dynamo.reset()
+    torch.testing.assert_close(torch.compile(model)(x), want, rtol=1e-4, atol=1e-5)
+    torch._dynamo.reset()

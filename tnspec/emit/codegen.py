@@ -25,7 +25,7 @@ from typing import Any, NamedTuple, Sequence
 from .._version import __version__
 from ..errors import SpecError
 from ..ir import Formula, Network
-from ..program import Call, Namer, Program, built_from_cores, reads
+from ..program import Call, Namer, Program, built_from_cores, reads, reads_cores
 from ..shapes import embedding_attributes, geometry, nn_attributes
 from ..analysis.init import CoreInit, activation_scale, core_inits
 from . import safe
@@ -36,16 +36,27 @@ from .statements import attr, statement
 _MODULE_NAMES = frozenset({"F", "nn", "torch"})  # the generated module's imports
 
 
-#: printed once into a module whose forwards build weights from cores: a layer with
+#: printed once into a module whose forwards build weights from cores. A layer with
 #: ``keep_built`` set (a frozen copy of an adapter) builds them once while no core needs a
 #: gradient. A change is seen through the cores' version counters (every in-place op, an
 #: optimizer's step, ``load_state_dict``) and their storage (a replaced core, ``.to``); a write
-#: through ``.data`` bumps no counter, hence off by default.
-REUSED = '''def _reused(layer: nn.Module, build) -> tuple[torch.Tensor, ...]:
+#: through ``.data`` bumps no counter, hence off by default. ``_minus`` (a frozen layer of the
+#: same code, set for one call by ``tnspec``'s adapters) asks for ``layer(x) - _minus(x)``:
+#: where the data meets the cores through one weight (``alone``), that is one contraction
+#: with the difference of the two weights; ``_minus`` is taken out to say it was done, and
+#: left where it was not.
+REUSED = '''def _reused(layer: nn.Module, build, alone: bool = False) -> tuple[torch.Tensor, ...]:
     """build(layer): the weights forward builds from the cores alone, built once and reused
-    where the layer asks (keep_built) while no core needs a gradient and none changed."""
-    if not getattr(layer, "keep_built", False) or torch.compiler.is_compiling() or \\
-            hasattr(layer, "parametrizations"):
+    where the layer asks (keep_built) while no core needs a gradient and none changed.
+    alone: forward reads the cores through the one weight build returns, and nothing else."""
+    if torch.compiler.is_compiling():
+        return build(layer)
+    minus = layer.__dict__.pop("_minus", None)
+    if minus is not None:
+        if alone and layer.bias is None:
+            return (build(layer)[0] - _reused(minus, build)[0],)
+        layer.__dict__["_minus"] = minus
+    if not getattr(layer, "keep_built", False) or hasattr(layer, "parametrizations"):
         return build(layer)
     cores = tuple(layer.parameters())
     if torch.is_grad_enabled() and any(c.requires_grad for c in cores):
@@ -265,10 +276,15 @@ class _Class:
         for k, node in enumerate(p.nodes):
             if k == first:  # the checks of the data come first, as before
                 names = ", ".join(kept) + ("," if len(kept) == 1 else "")
+                # alone: the data meets the cores through this one weight only
+                alone = len(kept) == 1 and not any(reads_cores(n) for n in p.nodes
+                                                   if n not in built)
                 lines += [f"{i2}if torch.jit.is_scripting():",
                           f"{i2}{INDENT}{names} = self._weights()",
                           f"{i2}else:  # kept by a frozen layer: see _reused",
-                          f"{i2}{INDENT}{names} = _reused(self, {class_name(self.net)}._weights)"]
+                          *wrap_line(f"{i2}{INDENT}{names} = _reused(self, "
+                                     f"{class_name(self.net)}._weights"
+                                     + (", alone=True)" if alone else ")"))]
             if node not in built:
                 lines += statement(node, i2)
         if p.unbatched:

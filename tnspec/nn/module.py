@@ -45,7 +45,10 @@ class Layer(nn.Module):
     (planned once per size class: batch and spatial sizes within a factor of two share a plan;
     the last ``plan_cache_size`` are kept, settable per layer); :meth:`source` shows that code.
     Autotuning spends at most ``autotune_seconds`` per layer timing orders (settable per
-    layer); past it, new size classes are planned by the cost model alone.
+    layer); past it, new size classes are planned by the cost model alone. ``keep_built``
+    (settable, off): reuse what ``forward`` builds of the cores alone (a kernel, factor matrices)
+    while no core needs a gradient and none changed (in-place ops, optimizer steps, ``.to``, a
+    replaced core are seen; a write through ``.data`` is not). Frozen adapter copies set it.
     """
 
     plan_cache_size = 64
@@ -54,9 +57,6 @@ class Layer(nn.Module):
     #: (``adapt(init="offset")``) runs its adapter's code, so that the two compute alike, bit
     #: for bit, while their cores are equal. Set through ``__dict__``: not a submodule.
     code_of: Layer | None = None
-    #: reuse the weights ``forward`` builds of the cores alone while no core needs a gradient
-    #: and none changed (seen: in-place ops, optimizer steps, ``.to``, a replaced core; not: a
-    #: write through ``.data``, hence off unless set). Frozen copies of adapters set it.
     keep_built: bool = False
 
     def __init__(self, network: Network, *, dtype: torch.dtype | None = None,

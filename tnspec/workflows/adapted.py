@@ -70,9 +70,10 @@ class Adapted(nn.Module):
         pad = self.pads[self.active]
         if pad is not None:
             x = F.pad(x, pad[0], mode=pad[1])
-        a = self.adapters[self.active](x)
         if self.active in self.offsets:
-            a = a - self.offsets[self.active](x)
+            a = less(self.adapters[self.active], self.offsets[self.active], x)
+        else:
+            a = self.adapters[self.active](x)
         scaling = self.scaling[self.active]
         # not torch.add(..., alpha=): inductor (torch 2.13) drops alpha after a matmul; at
         # scaling 1 (the principal start) no multiply, forward or back
@@ -129,6 +130,21 @@ class Saved(nn.Module):
 
     def extra_repr(self) -> str:
         return f"active={self.active!r}" + (", disabled" if self.disabled else "")
+
+
+def less(layer: Layer, offset: Layer, x: torch.Tensor) -> torch.Tensor:
+    """``layer(x) - offset(x)`` for a frozen ``offset`` running ``layer``'s code: where the
+    plan builds one weight of the cores and applies it to ``x``, one contraction with the
+    difference of the two weights (the generated ``_reused`` takes ``_minus`` out when it
+    did that), so the default start costs what the zero start does, plus a subtraction."""
+    if torch.compiler.is_compiling():
+        return layer(x) - offset(x)
+    layer.__dict__["_minus"] = offset
+    try:
+        a = layer(x)
+    finally:
+        unfolded = layer.__dict__.pop("_minus", None) is not None
+    return a - offset(x) if unfolded else a
 
 
 def delta_weight(layer: Layer, scaling: float) -> torch.Tensor:
