@@ -4,14 +4,16 @@ many ops it dispatches. The count does not depend on the device, so it is measur
 CPU, at batch 2.
 
     python benchmarks/dispatch_ops.py            # seconds
+    python benchmarks/dispatch_ops.py --bert     # BERT-base adapters' steps: 10 minutes
 
 A ResNet-18 of torchvision's architecture (100 classes, 64x64 input; defined here, since
 torchvision's CPU wheel does not install beside torch's) dense, with every 3x3 conv but the stem
 and the downsampling ones written by hand as three convs (1x1, 3x3, 1x1) at the ranks tnspec
 gives it, and tensorized with ``tucker2`` at 25% of their parameters; then one 64-channel layer
-per format against the hand-written Tucker-2. Channel mixing is forced to 1x1 convolutions (the
-op a GPU is expected to choose) and calibration is off, so that the count does not depend on
-this machine's measurements.
+per format against the hand-written Tucker-2; then an adapter of each format on a BERT-base
+projection, from the zero start and from ``adapt``'s default one. Channel mixing is forced to
+1x1 convolutions (the op a GPU is expected to choose) and calibration is off, so that the
+count does not depend on this machine's measurements.
 """
 
 from __future__ import annotations
@@ -50,7 +52,9 @@ def step_ops(module: nn.Module, x: torch.Tensor, amp: bool = False) -> int:
     return sum(counted.ops.values())
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    if "--bert" in (sys.argv[1:] if argv is None else argv):
+        return bert()
     calibration = tnspec.planning.calibration
     chooser = calibration.chooser
     calibration.chooser = lambda *a, **k: lambda step: "conv1x1"
@@ -109,6 +113,50 @@ def table() -> None:
     for fmt in ("low_rank", "cp", "tucker2", "tt", "tr"):
         ops = step_ops(tnspec.formats.build(fmt, 64, 64, 3, padding=1, rank=0.1).layer(), x)
         print(f"| tnspec {fmt} | {ops} | {ops / hand_ops:.2f} |")
+    adapters()
+
+
+def adapters() -> None:
+    """An adapter on one 768 -> 768 linear (a BERT-base projection), 32 x 128 tokens, at the
+    zero start and at ``adapt``'s default start (every core drawn, a frozen copy subtracted),
+    PEFT's LoRA r=8 beside it where peft imports."""
+    torch.manual_seed(0)
+    x = torch.randn(32, 128, 768)
+
+    def base() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(768, 768))
+    print("\n| adapter on a 768 -> 768 linear, 32 x 128 tokens | zero start | default start |\n"
+          "|---|---|---|")
+    try:
+        import peft
+        lora = peft.get_peft_model(base(), peft.LoraConfig(r=8, target_modules=["0"]))
+        print(f"| PEFT LoRA r=8 | {step_ops(lora, x)} | |")
+    except ImportError:
+        print("| PEFT LoRA r=8 (peft does not import) | | |")
+    for fmt in ("low_rank", "cp", "tt", "tr", "tt_lora"):
+        rank = 8 if fmt == "low_rank" else 2 * 768 * 8 / 768 ** 2  # LoRA r=8's share
+        ops = [step_ops(tnspec.adapt(base(), fmt, rank=rank, **start)[0], x)
+               for start in ({"init": "zero"}, {})]
+        print(f"| tnspec {fmt} adapter | {ops[0]} | {ops[1]} |")
+
+
+
+def bert() -> int:
+    """Ops of one training step (SGD) of each BERT-base adapter model of ``gpu_step.py``,
+    32 x 128 tokens, float32, on the CPU (minutes: each step is a BERT-base step)."""
+    import gpu_step
+    print(f"torch {torch.__version__}, tnspec {tnspec.__version__}; BERT-base, 32 x 128 "
+          "tokens, float32, calibration off\n")
+    print("| BERT-base adapters | ops per training step |\n|---|---|")
+    cpu = torch.device("cpu")
+    for v in gpu_step.bert_variants(32, 128, cpu, False):
+        step = gpu_step.make_step(v, v.model, cpu, None)
+        step()
+        with Count() as counted:
+            step()
+        print(f"| {v.label} | {sum(counted.ops.values()):,} |", flush=True)
+    return 0
 
 
 if __name__ == "__main__":

@@ -235,9 +235,10 @@ def test_dispatch_ops_counts_a_resnet_step_and_every_format(capsys):
     what issue 58 reached: within 20% of the hand-written three convs (a 1x1 weight's view
     each way per layer), where running the 1x1 convs flattened eagerly (the last row) is
     well over."""
-    assert load("dispatch_ops").main() == 0
+    assert load("dispatch_ops").main([]) == 0
+    out = capsys.readouterr().out
     rows = {line.split("|")[1].strip(): line.split("|")[-2].strip()
-            for line in capsys.readouterr().out.splitlines() if line.startswith("| ")}
+            for line in out.splitlines() if line.startswith("| ")}
     before = "tnspec tucker2 at 25%, 1x1 convs flattened (before)"
     ops = {name: int(rows[name].replace(",", "")) for name in (
         "dense", "3 convs by hand (tucker2's ranks)", "tnspec tucker2 at 25%", before)}
@@ -250,6 +251,13 @@ def test_dispatch_ops_counts_a_resnet_step_and_every_format(capsys):
         "3 convs by hand (tucker2's ranks)", "tnspec tucker2 at 25%, dense-first")}
     assert amp["tnspec tucker2 at 25%, dense-first"] <= \
         1.6 * amp["3 convs by hand (tucker2's ranks)"]
+    # adapters: where the plan applies one built weight (TT on a BERT projection), the default
+    # start is the zero start's step plus one subtraction (47 before, against 35)
+    adapters = {line.split("|")[1].strip(): [int(v) for v in line.split("|")[2:4]]
+                for line in out.splitlines() if " adapter |" in line}
+    assert len(adapters) == 5
+    zero, default = adapters["tnspec tt adapter"]
+    assert default == zero + 1
 
 
 def test_gpu_step_smoke_times_every_model_and_says_what_needs_cuda(capsys):
