@@ -360,27 +360,3 @@ def rename(nodes: list[Node], old: str, new: str) -> list[Node]:
                     kwargs=swap(n.kwargs)) if isinstance(n, Call) else
             replace(n, var=new) if isinstance(n, (CompileCopy, Relayout)) and n.var == old else n
             for n in nodes]
-
-
-def built_from_cores(program: Program) -> tuple[list[Call], tuple[str, ...]]:
-    """The calls of ``program`` that read only cores and the layer's sizes (not the data, nor a
-    size read off it), in order, and the variables among their results that the rest reads:
-    what ``forward`` builds from the cores alone, the same at every call until a core changes.
-    """
-    known = {v for v, _ in program.sizes}
-    built: list[Call] = []
-    names: set[str] = set()
-    for node in program.nodes:
-        if isinstance(node, Call) and reads(node) <= known | names:
-            built.append(node)
-            names.add(node.out)
-    read = set().union(*(reads(n) for n in program.nodes if n not in built), {program.result})
-    return built, tuple(n.out for n in built if n.out in read)
-
-
-def reads_cores(node: Node) -> bool:
-    """Whether a node reads a core itself (``self.<name>``; the bias is no core)."""
-    def visit(arg: Any) -> bool:
-        return isinstance(arg, Param) and arg.name != "bias" or \
-            isinstance(arg, (tuple, list)) and any(map(visit, arg))
-    return isinstance(node, Call) and (visit(node.args) or visit([v for _, v in node.kwargs]))

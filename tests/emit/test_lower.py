@@ -206,3 +206,25 @@ def test_a_kernel_built_by_outer_products_is_the_dense_layers(spec, channels_las
         for a, b in zip(got, expected):
             torch.testing.assert_close(a, b)
     assert multiplied, "no order built a kernel by a broadcast multiply"
+
+
+def test_unit_axes_go_into_the_factors_of_an_outer_product():
+    """A product of two reshaped tensors, reshaped only to insert unit axes, takes them in
+    its factors' reshapes (the last reshape goes); any other reshape of it stays."""
+    from tnspec.emit.products import fold_unit_axes
+    from tnspec.shapes import Size
+    r, c, kw = Size.of("r"), Size.of("c"), Size.of("kw")
+
+    def nodes(*last):
+        return [Call("A_v", ".reshape", (Param("A"), r, c, 1)),
+                Call("C_v", ".reshape", (Param("C"), r, 1, kw)),
+                Call("t", "torch.mul", (Var("A_v"), Var("C_v"))),
+                Call("t_r", ".reshape", (Var("t"), *last))]
+    folded = fold_unit_axes(nodes(r, c, 1, kw))
+    assert folded == [Call("A_v", ".reshape", (Param("A"), r, c, 1, 1)),
+                      Call("C_v", ".reshape", (Param("C"), r, 1, 1, kw)),
+                      Call("t_r", "torch.mul", (Var("A_v"), Var("C_v")))]
+    for other in [(r * c, 1, kw), (r, kw, 1, c)]:  # a merge; another order
+        assert fold_unit_axes(nodes(*other)) == nodes(*other)
+    shared = nodes(r, c, 1, kw) + [Call("u", ".sum", (Var("t"),))]  # t read twice
+    assert fold_unit_axes(shared) == shared

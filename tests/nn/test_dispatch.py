@@ -78,7 +78,7 @@ def test_the_compiled_form_keeps_the_flattened_1x1_conv(conv1x1):
 
 # ops of one forward and backward of a 64 -> 64 3x3 layer at 10% of its parameters (RESULTS.md,
 # "Ops dispatched per training step"); by hand, as three convs, 10
-CEILINGS = {"low_rank": 9, "cp": 31, "tucker2": 14, "tt": 32, "tr": 53}
+CEILINGS = {"low_rank": 9, "cp": 27, "tucker2": 14, "tt": 32, "tr": 53}
 
 
 @pytest.mark.parametrize("fmt", sorted(CEILINGS))
@@ -93,7 +93,8 @@ def test_cp_builds_each_kernel_by_one_broadcast_multiply(conv1x1, channels_last)
     """CP's kernels are outer products of two factors that share the rank (Khatri-Rao): each
     is one ``torch.mul`` of the two factors viewed as stored, not a ``torch.einsum`` with its
     unsqueezes and permutes, and no core's gradient is copied back into the core's strides
-    (44 ops a step before, 31 now; bf16 autocast and channels-last 53 before, 40 now)."""
+    (44 ops a step before, 31, and 27 since the kernels' unit axes are made in the factors'
+    views; bf16 autocast and channels-last 53 before, then 40, now 38)."""
     layer = tnspec.formats.cp(64, 64, 3, rank=0.1, padding=1).layer(autotune=False)
     x = torch.randn(2, 64, 16, 16)
     if channels_last:
@@ -105,7 +106,7 @@ def test_cp_builds_each_kernel_by_one_broadcast_multiply(conv1x1, channels_last)
     assert "torch.einsum" not in source and source.count("torch.mul(") == 2, source
     assert ops["new_empty_strided"] == ops["copy_"] == ops["clone"] == 0, dict(ops)
     assert ops["permute"] == 2 * channels_last, dict(ops)  # the channels-last weight's view
-    assert sum(ops.values()) <= (40 if channels_last else 31), dict(ops)
+    assert sum(ops.values()) <= (38 if channels_last else 27), dict(ops)
 
 
 @pytest.mark.parametrize("channels_last", [True, False])

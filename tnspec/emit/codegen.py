@@ -25,50 +25,16 @@ from typing import Any, NamedTuple, Sequence
 from .._version import __version__
 from ..errors import SpecError
 from ..ir import Formula, Network
-from ..program import Call, Namer, Program, built_from_cores, reads, reads_cores
+from ..program import Call, Namer, Program, reads
 from ..shapes import embedding_attributes, geometry, nn_attributes
 from ..analysis.init import CoreInit, activation_scale, core_inits
 from . import safe
 from .lines import INDENT, WIDTH, comment, spec_lines, wrap_assign, wrap_call, wrap_line
 from .lower import from_cores
 from .statements import attr, statement
+from .weights import REUSED, built_from_cores, reads_cores
 
 _MODULE_NAMES = frozenset({"F", "nn", "torch"})  # the generated module's imports
-
-
-#: printed once into a module whose forwards build weights from cores. A layer with
-#: ``keep_built`` set (a frozen copy of an adapter) builds them once while no core needs a
-#: gradient. A change is seen through the cores' version counters (every in-place op, an
-#: optimizer's step, ``load_state_dict``) and their storage (a replaced core, ``.to``); a write
-#: through ``.data`` bumps no counter, hence off by default. ``_minus`` (a frozen layer of the
-#: same code, set for one call by ``tnspec``'s adapters) asks for ``layer(x) - _minus(x)``:
-#: where the data meets the cores through one weight (``alone``), that is one contraction
-#: with the difference of the two weights; ``_minus`` is taken out to say it was done, and
-#: left where it was not.
-REUSED = '''def _reused(layer: nn.Module, build, alone: bool = False) -> tuple[torch.Tensor, ...]:
-    """build(layer): the weights forward builds from the cores alone, built once and reused
-    where the layer asks (keep_built) while no core needs a gradient and none changed.
-    alone: forward reads the cores through the one weight build returns, and nothing else."""
-    if torch.compiler.is_compiling():
-        return build(layer)
-    minus = layer.__dict__.pop("_minus", None)
-    if minus is not None:
-        if alone and layer.bias is None:
-            return (build(layer)[0] - _reused(minus, build)[0],)
-        layer.__dict__["_minus"] = minus
-    if not getattr(layer, "keep_built", False) or hasattr(layer, "parametrizations"):
-        return build(layer)
-    cores = tuple(layer.parameters())
-    if torch.is_grad_enabled() and any(c.requires_grad for c in cores):
-        return build(layer)
-    key = (build, torch.is_inference_mode_enabled(),
-           *((c._version, c.data_ptr(), c.dtype, c.device) for c in cores))
-    kept = layer.__dict__.get("_kept")
-    if kept is None or kept[0] != key:
-        with torch.no_grad():
-            # the cores detached, held with the weights: their storage stays theirs
-            kept = layer.__dict__["_kept"] = (key, [c.detach() for c in cores], build(layer))
-    return kept[2]'''
 
 
 class LayerCode(NamedTuple):

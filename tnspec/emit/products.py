@@ -5,15 +5,17 @@ data), or as the weight of a later conv or linear step written in the layout tha
 :class:`Products` is the part of the lowering (``lower._Lowering``) that emits these; it reads
 the layouts ``program.Builder`` tracks and two attributes its subclass sets, ``channels_last``
 and ``wanted`` (the weight layout each conv or linear step reads, by the name of the step's
-weight operand).
+weight operand). :func:`fold_unit_axes`, a pass over the finished nodes, makes the unit axes of
+a kernel built as an outer product in its factors' views.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from dataclasses import replace
+from typing import Any, Sequence
 
-from ..program import Builder, Param, Var
+from ..program import Builder, Call, Node, Param, Var, reads
 from ..shapes import Size, axis_text
 from ..planning.plan import Step
 
@@ -252,3 +254,51 @@ def _nearest(a: Sequence[str], b: Sequence[str], out: Sequence[str],
             n += 1
         return n
     return tuple(max([batch + own_a + own_b, batch + own_b + own_a], key=in_place))
+
+
+def fold_unit_axes(nodes: list[Node]) -> list[Node]:
+    """``t = torch.mul(a, b)`` of two reshaped tensors, then reshaped only to insert unit
+    axes (a CP kernel's outer product made 4-D for its conv): the unit axes go into the two
+    reshapes and the last reshape goes, two ops fewer forward and back."""
+    count: dict[str, int] = {}
+    for node in nodes:
+        for name in reads(node):
+            count[name] = count.get(name, 0) + 1
+    made = {n.out: n for n in nodes if isinstance(n, Call)}
+
+    def once_reshaped(arg: Any) -> Call | None:
+        node = made.get(arg.name) if isinstance(arg, Var) else None
+        return node if node is not None and node.fn == ".reshape" and \
+            count.get(node.out) == 1 and len(node.args) > 1 else None
+    out = list(nodes)
+    for node in nodes:
+        if not (isinstance(node, Call) and node.fn == ".reshape" and not node.kwargs and
+                isinstance(node.args[0], Var)):
+            continue
+        mul = made.get(node.args[0].name)
+        if mul is None or mul.fn != "torch.mul" or count.get(mul.out) != 1 or mul.kwargs:
+            continue
+        factors = [once_reshaped(a) for a in mul.args]
+        if len(factors) != 2 or None in factors or \
+                len(factors[0].args) != len(factors[1].args):
+            continue
+        one = Size.of(1)
+        dims = [(Size.of(p), Size.of(q)) for p, q in zip(factors[0].args[1:], factors[1].args[1:])]
+        wide = [q if p == one else p for p, q in dims]
+        at, units = 0, []  # where each of the wanted axes comes from: a product axis, or a unit
+        for d in node.args[1:]:
+            if at < len(wide) and Size.of(d) == wide[at]:
+                units.append(at)
+                at += 1
+            elif Size.of(d) == one:
+                units.append(None)
+            else:
+                break
+        else:
+            if at == len(wide):
+                for f in factors:
+                    shape = tuple(1 if k is None else f.args[1 + k] for k in units)
+                    out[out.index(f)] = replace(f, args=(f.args[0], *shape))
+                out[out.index(mul)] = replace(mul, out=node.out)
+                out.remove(node)
+    return out

@@ -250,8 +250,9 @@ def cp(in_channels: int, out_channels: int, kernel_size: IntOrTuple = (), *,
     """CP (Lebedev et al. 2015): one factor per mode and kernel axis, one rank hyperedge.
     The rank comes first in each factor and the output index in the output one (``A[r, c]``,
     ``B[r, kh]``, ``C[r, kw]``, ``D[o, r]``): each kernel the layer builds is one broadcast
-    multiply of two factors as stored, in the layout its conv reads (31 ops a training step
-    against 44 with the factors the other way round). Arguments as :func:`build`."""
+    multiply of two factors as stored, in the layout its conv reads (27 ops a training step of
+    a 64 -> 64 3x3 layer at 10%; 44 with the factors the other way round). Arguments as
+    :func:`build`."""
     return build("cp", **_arguments(locals()))
 
 

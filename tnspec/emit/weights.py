@@ -1,0 +1,72 @@
+"""What a generated ``forward`` builds of the cores alone: the split (``codegen`` prints those
+calls as the class's ``_weights`` method) and ``_reused``, the module-level function through
+which ``forward`` reads them, printed once into a module that has any.
+
+The weights are the same at every call until a core changes, so a frozen layer can build them
+once (``keep_built``), and an adapter less a frozen copy of itself can contract the data once,
+with the difference of the two weights, where one weight meets the data.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..program import Call, Node, Param, Program, reads
+
+#: printed once into a module whose forwards build weights from cores. A layer with
+#: ``keep_built`` set (a frozen copy of an adapter) builds them once while no core needs a
+#: gradient. A change is seen through the cores' version counters (every in-place op, an
+#: optimizer's step, ``load_state_dict``) and their storage (a replaced core, ``.to``); a write
+#: through ``.data`` bumps no counter, hence off by default. ``_minus`` (a frozen layer of the
+#: same code, set for one call by ``tnspec``'s adapters) asks for ``layer(x) - _minus(x)``:
+#: where the data meets the cores through one weight (``alone``), that is one contraction
+#: with the difference of the two weights; ``_minus`` is taken out to say it was done, and
+#: left where it was not.
+REUSED = '''def _reused(layer: nn.Module, build, alone: bool = False) -> tuple[torch.Tensor, ...]:
+    """build(layer): the weights forward builds from the cores alone, built once and reused
+    where the layer asks (keep_built) while no core needs a gradient and none changed.
+    alone: forward reads the cores through the one weight build returns, and nothing else."""
+    if torch.compiler.is_compiling():
+        return build(layer)
+    minus = layer.__dict__.pop("_minus", None)
+    if minus is not None:
+        if alone and layer.bias is None:
+            return (build(layer)[0] - _reused(minus, build)[0],)
+        layer.__dict__["_minus"] = minus
+    if not getattr(layer, "keep_built", False) or hasattr(layer, "parametrizations"):
+        return build(layer)
+    cores = tuple(layer.parameters())
+    if torch.is_grad_enabled() and any(c.requires_grad for c in cores):
+        return build(layer)
+    key = (build, torch.is_inference_mode_enabled(),
+           *((c._version, c.data_ptr(), c.dtype, c.device) for c in cores))
+    kept = layer.__dict__.get("_kept")
+    if kept is None or kept[0] != key:
+        with torch.no_grad():
+            # the cores detached, held with the weights: their storage stays theirs
+            kept = layer.__dict__["_kept"] = (key, [c.detach() for c in cores], build(layer))
+    return kept[2]'''
+
+
+def built_from_cores(program: Program) -> tuple[list[Call], tuple[str, ...]]:
+    """The calls of ``program`` that read only cores and the layer's sizes (not the data, nor a
+    size read off it), in order, and the variables among their results that the rest reads:
+    what ``forward`` builds from the cores alone, the same at every call until a core changes.
+    """
+    known = {v for v, _ in program.sizes}
+    built: list[Call] = []
+    names: set[str] = set()
+    for node in program.nodes:
+        if isinstance(node, Call) and reads(node) <= known | names:
+            built.append(node)
+            names.add(node.out)
+    read = set().union(*(reads(n) for n in program.nodes if n not in built), {program.result})
+    return built, tuple(n.out for n in built if n.out in read)
+
+
+def reads_cores(node: Node) -> bool:
+    """Whether a node reads a core itself (``self.<name>``; the bias is no core)."""
+    def visit(arg: Any) -> bool:
+        return isinstance(arg, Param) and arg.name != "bias" or \
+            isinstance(arg, (tuple, list)) and any(map(visit, arg))
+    return isinstance(node, Call) and (visit(node.args) or visit([v for _, v in node.kwargs]))
