@@ -278,3 +278,12 @@ def test_gpu_step_smoke_times_every_model_and_says_what_needs_cuda(capsys):
         assert float(step_ms) > 0 and float(host_ms) > 0 and int(ops) > 100, row
     assert "CUDA graphs need a CUDA device" in out and "failed" not in out
 
+
+
+def test_adapter_start_smoke_times_both_starts_of_every_format(capsys):
+    """benchmarks/adapter_start.py --smoke: every format's zero and default start are timed
+    (the ratios themselves are RESULTS.md's, not the suite's)."""
+    assert load("adapter_start").main(["--smoke"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| tnspec")]
+    assert [row.split("|")[1].split()[1] for row in rows] == list(load("adapter_start").FORMATS)
+    assert all(float(row.split("|")[4]) > 0 for row in rows)

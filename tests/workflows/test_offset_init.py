@@ -271,3 +271,48 @@ def test_the_drawn_scale_counts_the_layers_that_get_an_adapter():
     only = tnspec.adapt(alone, "tt", rank=0.02, name="again")[0][0].adapters["again"]
     for (k, a), (_, b) in zip(first.state_dict().items(), only.state_dict().items()):
         assert torch.equal(a, b), k
+
+
+@pytest.mark.parametrize("fmt, base, shape", [
+    ("low_rank", lambda: nn.Linear(32, 24), (4, 5, 32)),
+    ("cp", lambda: nn.Conv2d(8, 12, 3, padding=1), (2, 8, 6, 6)),
+    ("low_rank", lambda: nn.Conv1d(8, 6, 3, stride=2, groups=2), (2, 8, 11)),
+])
+def test_a_one_bond_adapter_less_its_copy_trains_as_one_network_of_twice_the_bond(
+        fmt, base, shape):
+    """While it trains on data that needs a gradient, an adapter whose cores carry one bond
+    (low_rank, CP) less its frozen copy runs once, at twice the bond: the output and every
+    gradient are those of the two layers run one after the other (to float rounding), and
+    the step contracts the data once, not a second time for the copy."""
+    torch.manual_seed(0)
+    model = _adapt(nn.Sequential(base()), fmt, 2)
+    adapted = model[0]
+    adapter, frozen = adapted.adapters["default"], adapted.offsets["default"]
+    with torch.no_grad():  # away from init: the two differ
+        for p in adapter.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    x = torch.randn(shape, requires_grad=True)
+    y = model(x)
+    g = torch.randn_like(y)
+    y.backward(g)
+    got = [x.grad] + [p.grad for p in adapter.parameters()]
+    x.grad = None
+    adapter.zero_grad(set_to_none=True)
+    want_y = adapted.base(x) + adapted.scaling["default"] * (adapter(x) - frozen(x))
+    want_y.backward(g)
+    want = [x.grad] + [p.grad for p in adapter.parameters()]
+    torch.testing.assert_close(y, want_y, rtol=1e-5, atol=1e-6)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    assert "_doubled" in frozen.__dict__ and frozen.__dict__["_doubled"] is not None
+    assert all(p is None for p in frozen.__dict__["_doubled"]._parameters.values())
+
+
+def test_without_a_gradient_to_the_data_the_copy_runs_and_is_exact_at_init():
+    torch.manual_seed(0)
+    model = _adapt(nn.Sequential(nn.Linear(32, 24)), "low_rank", 2)
+    x = torch.randn(4, 32)
+    assert torch.equal(model(x), model[0].base(x))  # the data needs no gradient
+    with torch.no_grad():
+        assert torch.equal(model(x.requires_grad_(True)), model[0].base(x))
+    assert "_doubled" not in model[0].offsets["default"].__dict__

@@ -32,7 +32,7 @@ from . import safe
 from .lines import INDENT, WIDTH, comment, spec_lines, wrap_assign, wrap_call, wrap_line
 from .lower import from_cores
 from .statements import attr, statement
-from .weights import REUSED, built_from_cores, reads_cores
+from .weights import REUSED, alone, built_from_cores
 
 _MODULE_NAMES = frozenset({"F", "nn", "torch"})  # the generated module's imports
 
@@ -242,15 +242,12 @@ class _Class:
         for k, node in enumerate(p.nodes):
             if k == first:  # the checks of the data come first, as before
                 names = ", ".join(kept) + ("," if len(kept) == 1 else "")
-                # alone: the data meets the cores through this one weight only
-                alone = len(kept) == 1 and not any(reads_cores(n) for n in p.nodes
-                                                   if n not in built)
                 lines += [f"{i2}if torch.jit.is_scripting():",
                           f"{i2}{INDENT}{names} = self._weights()",
                           f"{i2}else:  # kept by a frozen layer: see _reused",
                           *wrap_line(f"{i2}{INDENT}{names} = _reused(self, "
                                      f"{class_name(self.net)}._weights"
-                                     + (", alone=True)" if alone else ")"))]
+                                     + (", alone=True)" if alone(p) else ")"))]
             if node not in built:
                 lines += statement(node, i2)
         if p.unbatched:

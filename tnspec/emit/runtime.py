@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 from ..ir import Network
 from ..planning.plan import Plan
-from . import codegen
+from . import codegen, weights
 from .lower import lower
 
 #: compiled modules kept (each is a few functions); the oldest is dropped beyond this
@@ -53,12 +53,14 @@ def layer_class(network: Network, plan: Plan | None, channels_last: bool = False
     ``torch.compile`` traces if ``compiled``: see ``lower``) when one is given. The class keeps
     how it was lowered (``lowered``), so that the compiled form of the same choice can be made
     (:func:`compiled_form`)."""
-    layer = codegen.LayerCode(network, None) if plan is None else \
-        codegen.LayerCode(network, lower(plan, channels_last, convert, compiled),
-                          codegen.summary_line(plan))
+    program = None if plan is None else lower(plan, channels_last, convert, compiled)
+    layer = codegen.LayerCode(network, None) if program is None else \
+        codegen.LayerCode(network, program, codegen.summary_line(plan))
     source = codegen.generate([layer])
     cls = load_class(source, codegen.class_name(network))
     cls.lowered = (network, plan, convert, compiled)
+    # the data meets the cores through one weight (see weights.alone)
+    cls.alone = program is not None and weights.alone(program)
     return cls
 
 

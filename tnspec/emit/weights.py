@@ -70,3 +70,10 @@ def reads_cores(node: Node) -> bool:
         return isinstance(arg, Param) and arg.name != "bias" or \
             isinstance(arg, (tuple, list)) and any(map(visit, arg))
     return isinstance(node, Call) and (visit(node.args) or visit([v for _, v in node.kwargs]))
+
+
+def alone(program: Program) -> bool:
+    """Whether the data meets the cores through one weight built of them, and nothing else:
+    the output is then linear in that weight (the bias aside)."""
+    built, kept = built_from_cores(program)
+    return len(kept) == 1 and not any(reads_cores(n) for n in program.nodes if n not in built)

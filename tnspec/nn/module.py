@@ -118,8 +118,8 @@ class Layer(nn.Module):
         for name in ("_classes", "_plans", "_last_class", "_last_shape", "_last_stride",
                      "_last_autocast", "_last_channels_last", "_trace_name"):
             del state[name]
-        state.pop("_traced_class", None)
-        state.pop("_kept", None)  # weights built from the cores (keep_built)
+        for name in ("_traced_class", "_kept", "_folds", "_doubled"):  # built again as needed
+            state.pop(name, None)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -261,7 +261,7 @@ class Layer(nn.Module):
             return classes[key]
         start = time.perf_counter()
         if self._tunes():
-            cls, the_plan, work = self._fastest(shape, channels_last)
+            cls, the_plan, work = autotune.fastest(self, shape, channels_last)
             self._tuning_spent += time.perf_counter() - start
             if self._tuning_spent >= self.autotune_seconds:
                 logger.info("%s: %.1f s spent timing orders, past autotune_seconds=%g: new "
@@ -328,11 +328,6 @@ class Layer(nn.Module):
                         itemsize=self._itemsize(), model=model, choose=lambda step: "conv1x1")
         return runtime.layer_class(self.network, the_plan, compiled=True)
 
-    def _fastest(self, shape: tuple[int, ...], channels_last: bool = False
-                 ) -> tuple[type, Plan, str]:
-        """The fastest candidate order's class for ``shape`` (see :func:`autotune.fastest`)."""
-        return autotune.fastest(self, shape, channels_last)
-
     def _time(self, classes: list[type], shape: tuple[int, ...], repeats: int,
               channels_last: bool = False) -> list[autotune.Timing]:
         """The median and spread of each class's forward and backward (see
@@ -341,38 +336,42 @@ class Layer(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         try:  # free unless raised: a list fails on .shape, an array inside the generated code
-            owner = self if self.code_of is None else self.code_of
-            if _is_compiling():
-                # planning is plain Python that dynamo should not trace: it runs once, at
-                # trace time, as a constant, and leaves the class on the layer (see
-                # runtime.compilable_key)
-                runtime.compilable_key(owner._trace_name)
-                cls = owner._traced_class
-            elif x.shape == owner._last_shape and x.stride() == owner._last_stride and \
-                    _autocast("cuda" if x.is_cuda else "cpu") == owner._last_autocast:
-                cls = owner._last_class  # the hot path: the same shape, layout and precision
-            else:
-                shape = owner._lookups(x.shape) if self.network.lookup else tuple(x.shape)
-                if owner._unbatched_dims >= 0:  # checked here, to quote the shape as given
-                    net, unbatched = self.network, len(shape) == owner._unbatched_dims
-                    check_shape(net.input.name, expected_axes(net.input, net.sizes), shape,
-                                unbatched)
-                    if unbatched:  # planned as a batch of one
-                        shape = (1, *shape)
-                last = x.dim() == 4 and not x.is_contiguous() and \
-                    x.is_contiguous(memory_format=torch.channels_last)
-                cls = owner._class(shape, last)  # also keeps the cache's order LRU
-                # not through nn.Module.__setattr__, which is slow
-                owner.__dict__.update(
-                    _last_class=cls, _last_shape=x.shape, _last_stride=x.stride(),
-                    _last_channels_last=last,
-                    _last_autocast=_autocast("cuda" if x.is_cuda else "cpu"))
-            return cls.forward(self, x)
+            return self._running(x).forward(self, x)
         except AttributeError:
             if isinstance(x, torch.Tensor):
                 raise
             raise TypeError(f"{type(self).__name__} takes a torch.Tensor, not "
                             f"{type(x).__name__}; convert it with torch.as_tensor(x)") from None
+
+    def _running(self, x: torch.Tensor) -> type:
+        """The generated class ``forward`` runs on ``x`` (planned and timed now where not yet)."""
+        owner = self if self.code_of is None else self.code_of
+        if _is_compiling():
+            # planning is plain Python that dynamo should not trace: it runs once, at
+            # trace time, as a constant, and leaves the class on the layer (see
+            # runtime.compilable_key)
+            runtime.compilable_key(owner._trace_name)
+            cls = owner._traced_class
+        elif x.shape == owner._last_shape and x.stride() == owner._last_stride and \
+                _autocast("cuda" if x.is_cuda else "cpu") == owner._last_autocast:
+            cls = owner._last_class  # the hot path: the same shape, layout and precision
+        else:
+            shape = owner._lookups(x.shape) if self.network.lookup else tuple(x.shape)
+            if owner._unbatched_dims >= 0:  # checked here, to quote the shape as given
+                net, unbatched = self.network, len(shape) == owner._unbatched_dims
+                check_shape(net.input.name, expected_axes(net.input, net.sizes), shape,
+                            unbatched)
+                if unbatched:  # planned as a batch of one
+                    shape = (1, *shape)
+            last = x.dim() == 4 and not x.is_contiguous() and \
+                x.is_contiguous(memory_format=torch.channels_last)
+            cls = owner._class(shape, last)  # also keeps the cache's order LRU
+            # not through nn.Module.__setattr__, which is slow
+            owner.__dict__.update(
+                _last_class=cls, _last_shape=x.shape, _last_stride=x.stride(),
+                _last_channels_last=last,
+                _last_autocast=_autocast("cuda" if x.is_cuda else "cpu"))
+        return cls
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Layer:
         # the generated _apply where the layer has one: cores that model.to(memory_format=...)

@@ -7,6 +7,7 @@ adapters beside it, and :class:`Saved`, a module trained in full with them (``ad
 from __future__ import annotations
 
 import copy
+import dataclasses
 from typing import Any
 
 import torch
@@ -16,8 +17,10 @@ from torch.nn.utils import parametrize
 
 from ..errors import SpecError
 from ..fit import decompose
+from ..ir import Formula, Network, Role
 from ..nn.module import Layer
 from .padded import Padded
+from .stand_ins import TensorizedLinear
 
 
 class Adapted(nn.Module):
@@ -26,7 +29,7 @@ class Adapted(nn.Module):
     scaling * adapter(x)`` for the active adapter, run as its planned network on the input as
     the base pads it. An
     adapter built with ``init="offset"`` has a frozen copy of itself at init in ``offsets``,
-    subtracted: ``scaling * (adapter(x) - offset(x))``."""
+    subtracted: ``scaling * (adapter(x) - offset(x))``, in one run where it can be (:func:`less`)."""
 
     def __init__(self, base: nn.Module) -> None:
         super().__init__()
@@ -133,19 +136,87 @@ class Saved(nn.Module):
 
 
 def less(layer: Layer, offset: Layer, x: torch.Tensor) -> torch.Tensor:
-    """``layer(x) - offset(x)`` for a frozen ``offset`` running ``layer``'s code: where the
-    plan builds one weight of the cores and applies it to ``x``, one contraction with the
-    difference of the two weights (the generated ``_reused`` takes ``_minus`` out when it
-    did that), so the default start costs what the zero start does, plus a subtraction."""
+    """``layer(x) - offset(x)`` for a frozen ``offset`` of ``layer``'s network (``adapt``'s
+    default start), in one run where it can be. Where the plan applies one weight built of the
+    cores to the data, that is one contraction with the difference of the two weights (the
+    generated ``_reused`` does it, asked by ``_minus``: exact at init). Else, while ``layer``
+    trains on data that needs a gradient, a network whose cores all carry one bond and no
+    other (low_rank, CP, a two-core TT) runs once at twice that bond, each core beside its
+    copy along it, the copy's last core negated: the sum of the two networks, to float
+    rounding. Else both run. The layers run as ``Layer.forward`` (a linear one on the data
+    flattened to 2-D, once for all of them), so hooks on the adapter itself do not fire."""
     if torch.compiler.is_compiling():
         return layer(x) - offset(x)
+    if isinstance(layer, TensorizedLinear):  # any leading dimensions, as its forward takes
+        y = _less(layer, offset, x.reshape(-1, x.shape[-1]))
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+    return _less(layer, offset, x)
+
+
+def _less(layer: Layer, offset: Layer, x: torch.Tensor) -> torch.Tensor:
+    if not layer._running(x).alone:
+        # the sum pays where the copy would run backward too: the data needs a gradient
+        if torch.is_grad_enabled() and x.requires_grad and \
+                any(p.requires_grad for p in layer.parameters()):
+            doubled = _doubled(layer, offset)
+            if doubled is not None:
+                return _sum_of(layer, offset, doubled, x)
+        return Layer.forward(layer, x) - Layer.forward(offset, x)
     layer.__dict__["_minus"] = offset
     try:
-        a = layer(x)
+        return Layer.forward(layer, x)
     finally:
-        unfolded = layer.__dict__.pop("_minus", None) is not None
-    return a - offset(x) if unfolded else a
+        layer.__dict__.pop("_minus", None)
 
+
+def _bond(net: Network) -> str | None:
+    """The one index summed between cores, where every core carries it (None otherwise)."""
+    bonds = net.with_role(Role.RANK, Role.HYPEREDGE)
+    if len(bonds) != 1 or not all(bonds[0] in c.indices for c in net.cores) or \
+            bonds[0] not in dict(net.params) or any(bonds[0] in _names(f) for _, f in net.derived):
+        return None
+    return bonds[0]
+
+
+def _names(formula: Formula) -> set[str]:
+    if formula[0] == "name":
+        return {formula[1]}
+    return set().union(*map(_names, formula[2])) if formula[0] == "chain" else set()
+
+
+def _doubled(layer: Layer, offset: Layer) -> Layer | None:
+    """A layer of ``layer``'s network at twice its bond (kept on ``offset``; its cores are
+    set for each call), or None where the network has no single bond."""
+    if "_doubled" not in offset.__dict__:
+        net, bond = layer.network, _bond(layer.network)
+        doubled = None
+        if bond is not None:
+            twice = dataclasses.replace(
+                net, indices=tuple(dataclasses.replace(ix, size=2 * ix.size)
+                                   if ix.name == bond else ix for ix in net.indices),
+                params=tuple((n, 2 * v if n == bond else v) for n, v in net.params))
+            cls = parametrize.type_before_parametrizations(layer)
+            with torch.device("meta"):  # nothing drawn: the cores are set for each call
+                doubled = cls(twice, planner=layer.planner, autotune=layer.autotune,
+                              max_bytes=layer.max_bytes)
+        offset.__dict__["_doubled"] = doubled  # not a submodule: nothing of it in the state
+    return offset.__dict__["_doubled"]
+
+
+def _sum_of(layer: Layer, offset: Layer, doubled: Layer, x: torch.Tensor) -> torch.Tensor:
+    bond = _bond(layer.network)
+    cores = doubled._parameters  # the cores of this call, in place of its own
+    last = layer.network.cores[-1]
+    for core in layer.network.cores:
+        theirs = getattr(offset, core.name)
+        cores[core.name] = torch.cat((getattr(layer, core.name),
+                                      theirs.neg() if core is last else theirs),
+                                     core.indices.index(bond))
+    try:
+        return Layer.forward(doubled, x)
+    finally:
+        for core in layer.network.cores:  # hold no step's tensors between calls
+            cores[core.name] = None
 
 def delta_weight(layer: Layer, scaling: float) -> torch.Tensor:
     """``scaling`` times the adapter ``layer`` as a dense weight, from float64 copies of its
