@@ -316,3 +316,20 @@ def test_without_a_gradient_to_the_data_the_copy_runs_and_is_exact_at_init():
     with torch.no_grad():
         assert torch.equal(model(x.requires_grad_(True)), model[0].base(x))
     assert "_doubled" not in model[0].offsets["default"].__dict__
+
+
+def test_a_layer_less_its_copy_with_a_bias_subtracts_the_copy_whole():
+    """Where the plan applies one weight but the layer has a bias, the difference of the
+    weights would drop the bias: the copy runs and is subtracted, bias and all."""
+    from tnspec.workflows.adapted import frozen_copy, less
+    torch.manual_seed(0)
+    layer = tnspec.formats.build("tt", 64, 64, rank=0.2).layer(planner="dense-first")
+    with torch.no_grad():
+        layer.bias.normal_()
+    copy_ = frozen_copy(layer)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    x = torch.randn(5, 64)
+    assert layer._running(x).alone
+    torch.testing.assert_close(less(layer, copy_, x), layer(x) - copy_(x))

@@ -164,9 +164,10 @@ def _less(layer: Layer, offset: Layer, x: torch.Tensor) -> torch.Tensor:
         return Layer.forward(layer, x) - Layer.forward(offset, x)
     layer.__dict__["_minus"] = offset
     try:
-        return Layer.forward(layer, x)
-    finally:
-        layer.__dict__.pop("_minus", None)
+        a = Layer.forward(layer, x)
+    finally:  # _reused takes _minus out where it subtracted (not with a bias: it leaves it)
+        unfolded = layer.__dict__.pop("_minus", None) is not None
+    return a - Layer.forward(offset, x) if unfolded else a
 
 
 def _bond(net: Network) -> str | None:
