@@ -25,7 +25,9 @@ from ..program import Call, Node, Param, Program, reads
 REUSED = '''def _reused(layer: nn.Module, build, alone: bool = False) -> tuple[torch.Tensor, ...]:
     """build(layer): the weights forward builds from the cores alone, built once and reused
     where the layer asks (keep_built) while no core needs a gradient and none changed.
-    alone: forward reads the cores through the one weight build returns, and nothing else."""
+    alone: forward reads the cores through the one weight build returns, and nothing else;
+    then a layer given _minus for one call (a frozen copy of it, by tnspec's adapters) gets
+    the difference of the two weights: forward computes layer(x) - _minus(x) in one go."""
     if torch.compiler.is_compiling():
         return build(layer)
     minus = layer.__dict__.pop("_minus", None)
