@@ -333,3 +333,17 @@ def test_a_layer_less_its_copy_with_a_bias_subtracts_the_copy_whole():
     x = torch.randn(5, 64)
     assert layer._running(x).alone
     torch.testing.assert_close(less(layer, copy_, x), layer(x) - copy_(x))
+
+
+def test_an_adapter_with_hooks_of_its_own_runs_as_a_module():
+    """A forward hook on the adapter layer (a user's, or FSDP's pre-hook that gathers its
+    cores) fires at every call: the adapter then runs as a module, its copy apart."""
+    torch.manual_seed(0)
+    model = _adapt(nn.Sequential(nn.Linear(32, 24)), "low_rank", 2)
+    adapter = model[0].adapters["default"]
+    calls = []
+    adapter.register_forward_pre_hook(lambda m, args: calls.append(args[0].shape))
+    x = torch.randn(4, 32, requires_grad=True)
+    model(x).sum().backward()
+    assert calls == [torch.Size([4, 32])]
+    assert "_doubled" not in model[0].offsets["default"].__dict__

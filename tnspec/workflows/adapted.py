@@ -144,8 +144,9 @@ def less(layer: Layer, offset: Layer, x: torch.Tensor) -> torch.Tensor:
     other (low_rank, CP, a two-core TT) runs once at twice that bond, each core beside its
     copy along it, the copy's last core negated: the sum of the two networks, to float
     rounding. Else both run. The layers run as ``Layer.forward`` (a linear one on the data
-    flattened to 2-D, once for all of them), so hooks on the adapter itself do not fire."""
-    if torch.compiler.is_compiling():
+    flattened to 2-D, once for all of them); an adapter with forward hooks of its own (a
+    user's, FSDP's) runs as a module, with its copy apart, so that they fire as they did."""
+    if torch.compiler.is_compiling() or layer._forward_hooks or layer._forward_pre_hooks:
         return layer(x) - offset(x)
     if isinstance(layer, TensorizedLinear):  # any leading dimensions, as its forward takes
         y = _less(layer, offset, x.reshape(-1, x.shape[-1]))
