@@ -63,11 +63,11 @@ def generate(layers: Sequence[LayerCode], source: str | None = None) -> str:
                  for lay in layers if lay.program for n in lay.program.nodes)
     lines += ["import torch"] + \
         (["import torch.nn.functional as F"] if uses_f else []) + ["from torch import nn"]
-    reuses = any(lay.program and built_from_cores(lay.program)[0] for lay in layers)
-    if reuses:
+    classes = [_Class(lay) for lay in layers]
+    if any(c.built for c in classes):
         lines += ["", "", *REUSED.splitlines()]
-    for lay in layers:
-        lines += ["", "", *_Class(lay).lines()]
+    for c in classes:
+        lines += ["", "", *c.lines()]
     return "\n".join(lines).rstrip() + "\n"
 
 
@@ -89,6 +89,8 @@ class _Class:
         safe.network(self.net)  # the network may be built by hand: nothing unchecked is printed
         if self.p is not None:
             safe.program(self.p)
+        # what forward builds of the cores alone (_weights), and which of it the rest reads
+        self.built, self.kept = built_from_cores(self.p) if self.p is not None else ([], ())
         safe.literal(self.summary)
         # constructor locals: parameters, then derived sizes; forward's names live in Program
         self.ctor = Namer()
@@ -111,7 +113,7 @@ class _Class:
             doc += ["", f"{INDENT}spec = ({parts[0]}"]
             doc += [f"{INDENT}        {part}" for part in parts[1:]]
             doc[-1] += ")"
-        if self.p is not None and built_from_cores(self.p)[0]:
+        if self.built:
             doc.append(f"{INDENT}keep_built = False  # True: build the weights once while frozen")
         doc.append("")
         body = self.init() + [""] + self.reset() + [""] + self.extra_repr() + self.apply()
@@ -226,7 +228,7 @@ class _Class:
     def forward(self) -> list[str]:
         p, i2 = self.p, INDENT * 2
         assert p is not None
-        built, kept = built_from_cores(p)
+        built, kept = self.built, self.kept
         lines = [f"{INDENT}def forward(self, {p.data}: torch.Tensor) -> torch.Tensor:"]
         if p.unbatched:  # as nn.ConvNd and nn.Linear take one
             dims = len(p.network.input.axes)
@@ -247,7 +249,7 @@ class _Class:
                           f"{i2}else:  # kept by a frozen layer: see _reused",
                           *wrap_line(f"{i2}{INDENT}{names} = _reused(self, "
                                      f"{class_name(self.net)}._weights"
-                                     + (", alone=True)" if alone(p) else ")"))]
+                                     + (", alone=True)" if alone(p, (built, kept)) else ")"))]
             if node not in built:
                 lines += statement(node, i2)
         if p.unbatched:

@@ -30,11 +30,8 @@ REUSED = '''def _reused(layer: nn.Module, build, alone: bool = False) -> tuple[t
     the difference of the two weights: forward computes layer(x) - _minus(x) in one go."""
     if torch.compiler.is_compiling():
         return build(layer)
-    minus = layer.__dict__.pop("_minus", None)
-    if minus is not None:
-        if alone and layer.bias is None:
-            return (build(layer)[0] - _reused(minus, build)[0],)
-        layer.__dict__["_minus"] = minus
+    if alone and layer.bias is None and "_minus" in layer.__dict__:
+        return (build(layer)[0] - _reused(layer.__dict__.pop("_minus"), build)[0],)
     if not getattr(layer, "keep_built", False) or hasattr(layer, "parametrizations"):
         return build(layer)
     cores = tuple(layer.parameters())
@@ -74,8 +71,9 @@ def reads_cores(node: Node) -> bool:
     return isinstance(node, Call) and (visit(node.args) or visit([v for _, v in node.kwargs]))
 
 
-def alone(program: Program) -> bool:
+def alone(program: Program, split: tuple[list[Call], tuple[str, ...]] | None = None) -> bool:
     """Whether the data meets the cores through one weight built of them, and nothing else:
-    the output is then linear in that weight (the bias aside)."""
-    built, kept = built_from_cores(program)
+    the output is then linear in that weight (the bias aside). ``split``: what
+    :func:`built_from_cores` gives for ``program``, where it is at hand."""
+    built, kept = split or built_from_cores(program)
     return len(kept) == 1 and not any(reads_cores(n) for n in program.nodes if n not in built)

@@ -155,20 +155,21 @@ def less(layer: Layer, offset: Layer, x: torch.Tensor) -> torch.Tensor:
 
 
 def _less(layer: Layer, offset: Layer, x: torch.Tensor) -> torch.Tensor:
-    if not layer._running(x).alone:
+    cls = layer._running(x)  # the offset runs the same class (its code is the adapter's)
+    if not cls.alone:
         # the sum pays where the copy would run backward too: the data needs a gradient
         if torch.is_grad_enabled() and x.requires_grad and \
                 any(p.requires_grad for p in layer.parameters()):
             doubled = _doubled(layer, offset)
             if doubled is not None:
                 return _sum_of(layer, offset, doubled, x)
-        return Layer.forward(layer, x) - Layer.forward(offset, x)
+        return cls.forward(layer, x) - cls.forward(offset, x)
     layer.__dict__["_minus"] = offset
     try:
-        a = Layer.forward(layer, x)
+        a = cls.forward(layer, x)
     finally:  # _reused takes _minus out where it subtracted (not with a bias: it leaves it)
         unfolded = layer.__dict__.pop("_minus", None) is not None
-    return a - Layer.forward(offset, x) if unfolded else a
+    return a - cls.forward(offset, x) if unfolded else a
 
 
 def _bond(net: Network) -> str | None:
@@ -187,8 +188,8 @@ def _names(formula: Formula) -> set[str]:
 
 
 def _doubled(layer: Layer, offset: Layer) -> Layer | None:
-    """A layer of ``layer``'s network at twice its bond (kept on ``offset``; its cores are
-    set for each call), or None where the network has no single bond."""
+    """A layer of ``layer``'s network at twice its bond (``doubled_bond`` names it; kept on
+    ``offset``, its cores set for each call), or None where the network has no single bond."""
     if "_doubled" not in offset.__dict__:
         net, bond = layer.network, _bond(layer.network)
         doubled = None
@@ -201,12 +202,13 @@ def _doubled(layer: Layer, offset: Layer) -> Layer | None:
             with torch.device("meta"):  # nothing drawn: the cores are set for each call
                 doubled = cls(twice, planner=layer.planner, autotune=layer.autotune,
                               max_bytes=layer.max_bytes)
+            doubled.__dict__["doubled_bond"] = bond
         offset.__dict__["_doubled"] = doubled  # not a submodule: nothing of it in the state
     return offset.__dict__["_doubled"]
 
 
 def _sum_of(layer: Layer, offset: Layer, doubled: Layer, x: torch.Tensor) -> torch.Tensor:
-    bond = _bond(layer.network)
+    bond = doubled.doubled_bond
     cores = doubled._parameters  # the cores of this call, in place of its own
     last = layer.network.cores[-1]
     for core in layer.network.cores:
