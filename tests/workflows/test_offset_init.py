@@ -347,3 +347,37 @@ def test_an_adapter_with_hooks_of_its_own_runs_as_a_module():
     model(x).sum().backward()
     assert calls == [torch.Size([4, 32])]
     assert "_doubled" not in model[0].offsets["default"].__dict__
+
+
+@pytest.mark.parametrize("fmt", ["low_rank", "tt"])  # the doubled network; one weight's difference
+def test_a_step_that_raises_leaves_the_model_and_its_adapter_as_they_were(fmt, monkeypatch):
+    """A failure inside the adapter's contraction, after the adapter was asked for its
+    difference (TT) or the doubled network got its cores (low_rank): the model is as it was
+    (values, requires_grad, structure, ties, adapters), the adapter holds no ``_minus`` and
+    the doubled network no step's tensors, and the next step runs."""
+    torch.manual_seed(0)
+    model = _adapt(nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64)), fmt, 0.2)
+    x = torch.randn(2, 128, 64, requires_grad=True)
+    model(x).sum().backward()  # planned: the failing call below takes the hot path
+    model.zero_grad(set_to_none=True)
+    before = snapshot(model)
+    linear = torch.nn.functional.linear
+    reached = []
+
+    def failing(input, weight, bias=None):  # the base's weight is a Parameter, not the rest
+        if not isinstance(weight, nn.Parameter):
+            reached.append(weight.shape)
+            raise RuntimeError("injected")
+        return linear(input, weight, bias)
+    monkeypatch.setattr(torch.nn.functional, "linear", failing)
+    with pytest.raises(RuntimeError, match="injected"):
+        model(x)
+    monkeypatch.setattr(torch.nn.functional, "linear", linear)
+    assert reached and unchanged(before, model)
+    for adapted in (model[0], model[1]):
+        assert "_minus" not in adapted.adapters["default"].__dict__
+        doubled = adapted.offsets["default"].__dict__.get("_doubled")
+        assert doubled is None or all(p is None for p in doubled._parameters.values())
+    assert (fmt == "low_rank") == (model[0].offsets["default"].__dict__.get("_doubled") is not None)
+    assert (fmt == "tt") == model[0].adapters["default"]._running(x.reshape(-1, 64)).alone
+    model(x).sum().backward()
