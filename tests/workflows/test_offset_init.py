@@ -318,6 +318,23 @@ def test_without_a_gradient_to_the_data_the_copy_runs_and_is_exact_at_init():
     assert "_doubled" not in model[0].offsets["default"].__dict__
 
 
+def test_the_frozen_copy_holds_every_parameter_of_the_layer_bias_included():
+    """The copy is built on empty memory: every value it holds is copied, the bias too (it
+    was not, once: an uninitialized bias made a CI run's difference NaN now and then)."""
+    from tnspec.workflows.adapted import frozen_copy
+    torch.manual_seed(0)
+    layer = tnspec.formats.build("tt", 64, 64, rank=0.2).layer()
+    with torch.no_grad():
+        layer.bias.normal_()
+    copy_ = frozen_copy(layer)
+    assert dict(copy_.named_parameters()).keys() == dict(layer.named_parameters()).keys()
+    for name, p in layer.named_parameters():
+        assert torch.equal(getattr(copy_, name), p), name
+    x = torch.randn(5, 64)
+    with torch.no_grad():
+        assert torch.equal(copy_(x), layer(x))
+
+
 def test_a_layer_less_its_copy_with_a_bias_subtracts_the_copy_whole():
     """Where the plan applies one weight but the layer has a bias, the difference of the
     weights would drop the bias: the copy runs and is subtracted, bias and all."""

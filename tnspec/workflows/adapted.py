@@ -234,19 +234,19 @@ def delta_weight(layer: Layer, scaling: float) -> torch.Tensor:
 
 def frozen_copy(layer: Layer) -> Layer:
     """A layer of ``layer``'s network and class holding, as frozen plain parameters, the values
-    ``layer``'s network reads now (a core under a step rule's parametrization included). It runs
-    ``layer``'s planned code (:attr:`Layer.code_of`), so it computes what ``layer`` computes
-    until ``layer`` trains: bit for bit without autograd, to float rounding with it (a matmul
-    may pick another kernel for a weight that requires grad)."""
+    ``layer``'s network reads now (a core under a step rule's parametrization included) and its
+    bias. It runs ``layer``'s planned code (:attr:`Layer.code_of`), so it computes what
+    ``layer`` computes until ``layer`` trains: bit for bit without autograd, to float rounding
+    with it (a matmul may pick another kernel for a weight that requires grad)."""
     cls = parametrize.type_before_parametrizations(layer)
     first = next(layer.parameters())
     with torch.device("meta"):  # nothing drawn: the values are copied below
         twin = cls(layer.network, dtype=first.dtype, planner=layer.planner,
                    autotune=layer.autotune, max_bytes=layer.max_bytes)
     twin = twin.to_empty(device=first.device)
-    with torch.no_grad():
-        for core in layer.network.cores:
-            getattr(twin, core.name).copy_(getattr(layer, core.name))
+    with torch.no_grad():  # every parameter: to_empty left them uninitialized (the bias too)
+        for name, p in twin.named_parameters():
+            p.copy_(getattr(layer, name))
     twin.__dict__["code_of"] = layer  # not a submodule: no second copy in the state
     twin.keep_built = True  # frozen: what it builds of its cores is built once
     return twin.requires_grad_(False)
