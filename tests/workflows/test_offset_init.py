@@ -352,6 +352,22 @@ def test_a_layer_less_its_copy_with_a_bias_subtracts_the_copy_whole():
     torch.testing.assert_close(less(layer, copy_, x), layer(x) - copy_(x))
 
 
+def test_a_one_bond_layer_with_a_bias_less_its_copy_runs_the_copy_apart():
+    """A bias: the network at twice the bond would add it once, not cancel it; the copy runs."""
+    from tnspec.workflows.adapted import frozen_copy, less
+    torch.manual_seed(0)
+    layer = tnspec.formats.build("low_rank", 32, 24, rank=4).layer()
+    with torch.no_grad():
+        layer.bias.normal_()
+    copy_ = frozen_copy(layer)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    x = torch.randn(5, 32, requires_grad=True)
+    torch.testing.assert_close(less(layer, copy_, x), layer(x) - copy_(x))
+    assert copy_.__dict__["_doubled"] is None
+
+
 def test_an_adapter_with_hooks_of_its_own_runs_as_a_module():
     """A forward hook on the adapter layer (a user's, or FSDP's pre-hook that gathers its
     cores) fires at every call: the adapter then runs as a module, its copy apart."""

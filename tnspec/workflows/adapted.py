@@ -189,11 +189,12 @@ def _names(formula: Formula) -> set[str]:
 
 def _doubled(layer: Layer, offset: Layer) -> Layer | None:
     """A layer of ``layer``'s network at twice its bond (``doubled_bond`` names it; kept on
-    ``offset``, its cores set for each call), or None where the network has no single bond."""
+    ``offset``, its cores set for each call), or None where the network has no single bond
+    or the layer a bias (the doubled network has one bias; the copy runs apart)."""
     if "_doubled" not in offset.__dict__:
         net, bond = layer.network, _bond(layer.network)
         doubled = None
-        if bond is not None:
+        if bond is not None and layer.bias is None:  # a bias: the copy runs apart
             twice = dataclasses.replace(
                 net, indices=tuple(dataclasses.replace(ix, size=2 * ix.size)
                                    if ix.name == bond else ix for ix in net.indices),
