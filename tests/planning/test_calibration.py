@@ -3,6 +3,7 @@ channel-mixing steps run by the op measured faster. No test asserts on a time.""
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -149,6 +150,59 @@ def test_the_chooser_decides_channel_mixing_and_both_ops_compute_the_same():
         module = SimpleNamespace(sizes=p.network.sizes, bias=None, **cores)
         y = runtime.layer_class(p.network, p).forward(module, x)
         torch.testing.assert_close(y, expected, rtol=1e-4, atol=1e-5)
+
+
+LOW_RANK_1X1 = "x[b, c, h+kh, w+kw], U[r, c, kh, kw], V[o, r] -> y[b, o, h, w]"  # valid conv
+
+
+@pytest.mark.parametrize("contiguous", [True, False])
+def test_a_unit_kernel_conv_is_channel_mixing_the_chooser_decides(contiguous):
+    """A 1x1 conv's core (a kernel of 1, stride 1, no padding) makes a conv step that is
+    channel mixing: the chooser is asked, and as an einsum it runs as a batched matmul of the
+    core without its unit axes, computing what the conv does, forward and backward."""
+    sizes = dict(c=16, o=12, r=5, kh=1, kw=1)
+    net = bind_shape(tnspec.compile(LOW_RANK_1X1, **sizes), (8, 16, 9, 9))
+    seen = []
+
+    def choose(step: Mixing) -> str:
+        seen.append(step)
+        return "einsum"
+    assert [s.op for s in plan(net, planner="greedy", choose=choose).steps] == \
+        ["einsum", "einsum"]
+    assert Mixing(8, 1, 16, 5, (9, 9)) in seen
+    assert [s.op for s in plan(net, planner="greedy", choose=lambda step: "conv1x1").steps] \
+        == ["conv", "conv1x1"]
+    layer = tnspec.layer(LOW_RANK_1X1, **sizes, planner="greedy")
+    x = torch.randn(8, 16, 9, 9)
+    if not contiguous:
+        x = x.contiguous(memory_format=torch.channels_last)
+    x.requires_grad_()
+    ran = {}
+    for op in ("conv1x1", "einsum"):
+        model = copy.deepcopy(layer)
+        model._class = lambda shape, last=False, m=model, op=op: runtime.layer_class(
+            m.network, plan(bind_shape(m.network, shape), planner="greedy",
+                            choose=lambda step: op), last)
+        y = model(x)
+        y.backward(torch.ones_like(y))
+        ran[op] = (y, x.grad, model.U.grad, model.V.grad)
+        x.grad = None
+        source = runtime.source_of(model._class(tuple(x.shape), not contiguous).forward)
+        assert ("torch.bmm(U_m_e" in source or "torch.einsum" in source) is (op == "einsum")
+    for a, b in zip(ran["conv1x1"], ran["einsum"]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(ran["einsum"][0], F.conv2d(
+        x, layer.dense_weight().detach()), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("relation", ["2*h+kh", "h+kh-1", "h+2*kh"])
+def test_a_unit_kernel_with_a_stride_padding_or_dilation_stays_a_conv(relation):
+    """Only the identity relation is channel mixing: a stride, a padding or a dilation keeps
+    the conv (a dilated unit kernel is the identity too, but rare enough to leave as it is)."""
+    spec = LOW_RANK_1X1.replace("h+kh", relation)
+    net = bind_shape(tnspec.compile(spec, c=16, o=12, r=5, kh=1, kw=1), (8, 16, 9, 9))
+    steps = plan(net, planner="greedy", choose=lambda step: "einsum").steps
+    assert any(s.op == "conv" for s in steps)
 
 
 def test_a_measured_choice_is_kept_and_a_nearby_batch_is_not_timed_again(

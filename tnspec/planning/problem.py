@@ -330,21 +330,38 @@ class Problem:
 
     def rechoose(self, step: Step, choose: Chooser) -> Step:
         """``step`` with its op picked by ``choose`` when it is channel mixing that both a 1x1
-        conv and an einsum can run; other steps are returned as they are."""
+        conv and an einsum can run; other steps are returned as they are. A conv whose every
+        relation is the identity (a kernel of 1, stride 1, no padding or dilation: a 1x1
+        conv's core) is channel mixing too: as an einsum it keeps its relations, for lowering
+        to read the data's axes as the output's and the core without its unit kernel axes."""
+        if step.data_side and step.op == "conv" and self.identities(step.convs):
+            if choose(self.mixing(step.split)) == "conv1x1":
+                return step
+            return replace(step, op="einsum", split=Split())
         if not step.data_side or step.convs or step.op not in ("conv1x1", "einsum"):
             return step
         op, split = self.operation(step.left, step.right, step.result, (), "conv", True)
         if op != "conv1x1":
             return step
+        if choose(self.mixing(split)) == "conv1x1":
+            return replace(step, op="conv1x1", split=split)
+        return replace(step, op="einsum", split=Split())
+
+    def identities(self, convs: tuple[Conv, ...]) -> bool:
+        """Every relation of ``convs`` (one at least) maps its data axis onto its output axis
+        unchanged: a kernel of size 1, stride 1, no padding, no dilation of either kind."""
+        return bool(convs) and all(
+            c.kernel is not None and self.sizes[c.kernel] == 1 and c.stride == 1 and
+            c.dilation == 1 and c.padding == 0 and c.input_dilation == 1 for c in convs)
+
+    def mixing(self, split: Split) -> Mixing:
+        """The sizes a chooser sees of a channel-mixing step of ``split``."""
         sizes = self.sizes
 
         def size(indices: tuple[str, ...]) -> int:
             return math.prod(sizes[i] for i in indices)
-        mixing = Mixing(size(split.batch), size(split.groups), size(split.inputs),
-                        size(split.outputs), tuple(sizes[i] for i in split.spatial))
-        if choose(mixing) == "conv1x1":
-            return replace(step, op="conv1x1", split=split)
-        return replace(step, op="einsum", split=Split())
+        return Mixing(size(split.batch), size(split.groups), size(split.inputs),
+                      size(split.outputs), tuple(sizes[i] for i in split.spatial))
 
     def fresh_name(self, k: int) -> str:
         """``t<k>`` for the k-th intermediate, never the name of one of the network's tensors
