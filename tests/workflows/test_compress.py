@@ -190,6 +190,49 @@ def test_latency_mode_never_picks_a_layer_slower_than_dense():
     assert "0.50x" in str(report)
 
 
+def test_latency_times_the_served_forward_at_the_datas_batch_and_at_batch_1():
+    """A served model runs forward without autograd, at a batch the data need not show: a
+    candidate faster at the data's batch but slower at batch 1 is dropped."""
+    seen = []
+
+    def timer(module, shape):  # tucker2 wins at the data's batch, loses at batch 1
+        seen.append(shape)
+        if not isinstance(module, tnspec.Layer):
+            return 1.0
+        if "U[" in module.spec:
+            return 0.5 if shape[0] > 1 else 1.5
+        return 0.5  # cp wins at both
+    _, report = _compress(_model(), 0.3, data=torch.randn(8, 3, 8, 8), latency=True,
+                          timer=timer)
+    assert {s[0] for s in seen} == {8, 1} and all(s[1:] for s in seen)
+    assert all(c.chosen.format in ("dense", "cp") for c in report.choices)
+    assert any(c.chosen.format == "cp" for c in report.choices)
+    assert all(c.format != "tucker2" for ch in report.choices for c in ch.candidates)
+    seen.clear()  # for training: forward and backward at the data's shape alone
+    _, report = _compress(_model(), 0.3, data=torch.randn(8, 3, 8, 8), latency="training",
+                          timer=timer)
+    assert {s[0] for s in seen} == {8}
+    assert any(c.chosen.format == "tucker2" for c in report.choices)
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_the_latency_clock_runs_backward_only_for_training(training):
+    from tnspec.workflows.convert.timing import timed
+    layer = nn.Linear(6, 4)
+    grad_modes = []
+    layer.register_forward_hook(lambda m, a, y: grad_modes.append(torch.is_grad_enabled()))
+    backward = []
+    layer.weight.register_hook(lambda g: backward.append(1))
+    assert timed(layer, (3, 6), repeats=3, training=training) > 0
+    assert set(grad_modes) == {training} and len(grad_modes) == 5
+    assert bool(backward) is training
+
+
+def test_an_unknown_latency_is_a_clear_error():
+    with pytest.raises(tnspec.SpecError, match="latency='fast' is not a timing"):
+        tnspec.compress(_model(), 0.5, data=torch.randn(4, 3, 8, 8), latency="fast")
+
+
 def test_ctrl_c_leaves_the_model_unchanged():
     model = _model()
     before = {k: v.clone() for k, v in model.state_dict().items()}

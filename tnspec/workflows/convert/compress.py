@@ -18,7 +18,8 @@ a unit of at most 1/2000 of the budget, so that the budget holds without roundin
 ``s_l`` is the layer's sensitivity: with ``data``, how much the model's output moves, relative to
 its size, when noise of relative size 1% is added to the layer's output (the errors of
 independent layers add in variance); without data, 1. With ``latency=True`` a candidate slower
-than its dense layer (forward and backward, timed on this device) is never chosen.
+than its dense layer (its forward without autograd, as served, timed on this device at the
+data's batch and at batch 1) is never chosen; ``latency="training"`` times forward and backward.
 """
 
 from __future__ import annotations
@@ -45,19 +46,18 @@ from . import sequential as sequential_fit
 from . import threads as threads_
 from .allocate import allocate
 from .report import Candidate, Choice, CompressReport
-from .timing import Clock, timed
+from .timing import Clock, Timer, latency_timer
 from .tensorize import _keep_state, _replacement
 
 FORMATS = ("low_rank", "cp", "tucker2", "tt", "tr")  # the cheaper fits first
 SHARES = (0.05, 0.1, 0.2, 0.35, 0.5, 0.75)
 FIT = {"starts": 1, "hops": 0, "max_iter": 30, "tol": 1e-4, "max_seconds": 10.0,
        "sweeps": 5}
-Timer = Callable[[nn.Module, tuple[int, ...]], float]
 
 
 def compress(model: nn.Module, budget: float = 0.25, formats: Sequence[str] = FORMATS, *,
              data: torch.Tensor | Iterable[Any] | None = None, include: Selector = None,
-             exclude: Selector = None, latency: bool = False, shares: Sequence[float] = SHARES,
+             exclude: Selector = None, latency: bool | str = False, shares: Sequence[float] = SHARES,
              fit: Mapping[str, Any] | None = None, max_batches: int = 8,
              run: Runner | None = None, max_seconds: float | None = None,
              prune: bool = True, timer: Timer | None = None, sequential: bool = False,
@@ -78,8 +78,10 @@ def compress(model: nn.Module, budget: float = 0.25, formats: Sequence[str] = FO
     :meth:`Layer.fit_` (by default one start, no hops, at most 30 sweeps stopping at a gain
     under 0.01%, 10 s a fit; with ``data``, 5 ALS sweeps before the refit, ``sweeps`` of
     :func:`tnspec.fit.decompose.fit`). ``latency=True`` (needs ``data``) times every candidate
-    and the dense layer, forward and backward, on the input shape the layer saw, and drops
-    candidates slower than dense; ``timer(module, shape) -> seconds`` replaces that timing.
+    and the dense layer as a served model runs them, forward under ``no_grad``, on the input
+    shape the layer saw and on that shape at batch 1, and drops candidates slower than dense
+    at either; ``latency="training"`` times forward and backward at the data's shape alone
+    (for a model trained after); ``timer(module, shape) -> seconds`` replaces that timing.
     ``max_seconds`` bounds the whole call: the formats are fitted one after the other over all
     layers, cheapest first, and the candidates left when the time is spent are not fitted (the
     report says how many); recording the inputs (a forward per batch) reads no further batch
@@ -121,7 +123,11 @@ def compress(model: nn.Module, budget: float = 0.25, formats: Sequence[str] = FO
         raise SpecError(f"formats={tuple(formats)!r}" +
                         (f": unknown format {unknown[0]!r}" if unknown else " is empty"),
                         hint=f"names from {', '.join(format_names.NAMES)}")
-    for flag, given in (("latency=True", latency), ("sequential=True", sequential),
+    if latency not in (False, True, "serving", "training"):
+        raise SpecError(f"latency={latency!r} is not a timing",
+                        hint="latency=True (served: forward without autograd) or "
+                             "latency='training' (forward and backward)")
+    for flag, given in ((f"latency={latency!r}", latency), ("sequential=True", sequential),
                         (f"heal={heal!r}", heal)):
         if given and data is None:
             raise SpecError(f"{flag} needs data= (what the model is fed)")
@@ -202,25 +208,25 @@ def compress(model: nn.Module, budget: float = 0.25, formats: Sequence[str] = FO
         # the refits and the healing pass each take up to a fifth of max_seconds
         deadline = end - (0.2 * bool(sequential) + 0.2 * bool(heal)) * (max_seconds or 0)
         choices, unfitted = [], 0
+        times_of = latency_timer(latency, timer)
         for name, module in layers:
             dense_params = sum(p.numel() for p in module.parameters())
             shape = seen.get(name, (None, None))[0]
             # latency: timed on the input shape the layer saw; one the data never reached (an
             # auxiliary head) has none, and is left untimed
-            time_of = (timer or timed) if latency and shape is not None else None
-            dense_seconds = time_of(module, shape) if time_of else None
+            dense_seconds = times_of(module, shape)
             choices.append((name, dense_params,
-                            [(Candidate("dense", 1.0, dense_params, 0.0, dense_seconds), None)],
+                            [(Candidate("dense", 1.0, dense_params, 0.0,
+                                        dense_seconds[0] if dense_seconds else None), None)],
                             sensitivity.get(name, 1.0), dense_seconds))
         networks: dict[str, set] = {name: set() for name, _ in layers}
 
         def candidate(name: str, module: nn.Module, options_here: list, dense_params: int,
-                      dense_seconds: float | None, fmt: str, share: float, left: float
+                      dense_seconds: tuple[float, ...], fmt: str, share: float, left: float
                       ) -> Candidate | None:
             """``fmt`` at ``share`` fitted to the layer and added to its options; None where it
             is no candidate (no rank within the share, fitted before, slower or not smaller)."""
             shape, metric = seen.get(name, (None, None))
-            time_of = (timer or timed) if latency and shape is not None else None
             try:
                 new = _replacement(module, fmt, share, "graph-in", "linear", {})
             except SpecError:
@@ -233,7 +239,7 @@ def compress(model: nn.Module, budget: float = 0.25, formats: Sequence[str] = FO
             cand = _fitted(module, new, fmt, share, metric,
                            {**options, "max_seconds": min(options["max_seconds"] or math.inf,
                                                           left)},
-                           time_of, shape, dense_seconds)
+                           times_of, shape, dense_seconds)
             if cand is None or cand.params >= dense_params:
                 return None
             options_here.append((cand, new))
@@ -325,7 +331,7 @@ def compress(model: nn.Module, budget: float = 0.25, formats: Sequence[str] = FO
             _swap(model, called)
             raise
         report_rows = [Choice(name, dense_params, opts[k][0], tuple(c for c, _ in opts), s,
-                              dense_seconds)
+                              dense_seconds[0] if dense_seconds else None)
                        for (name, dense_params, opts, s, dense_seconds), k in zip(choices, picks)]
     except BaseException:
         _put_back(model, stand_ins, set())
@@ -342,8 +348,9 @@ def compress(model: nn.Module, budget: float = 0.25, formats: Sequence[str] = FO
 
 
 def _fitted(module: nn.Module, new: Layer, fmt: str, share: float, metric: torch.Tensor | None,
-            options: Mapping[str, Any], time_of: Timer | None, shape: tuple[int, ...] | None,
-            dense_seconds: float | None) -> Candidate | None:
+            options: Mapping[str, Any], times_of: Callable[..., tuple[float, ...]],
+            shape: tuple[int, ...] | None, dense_seconds: tuple[float, ...]
+            ) -> Candidate | None:
     """``new`` fitted to ``module`` (its bias copied, its flags kept) as a candidate; None where
     ``latency`` finds it slower than the dense layer."""
     error = new._fit(weight_of(module).detach(), metric, **options)
@@ -351,10 +358,11 @@ def _fitted(module: nn.Module, new: Layer, fmt: str, share: float, metric: torch
         with torch.no_grad():
             new.bias.copy_(module.bias.reshape(new.bias.shape))
     _keep_state(module, new)  # frozen stays frozen, and is timed so
-    seconds = time_of(new, shape) if time_of else None
-    if seconds is not None and dense_seconds is not None and seconds > dense_seconds:
-        return None  # latency: never slower than the dense layer
-    return Candidate(fmt, share, sum(p.numel() for p in new.parameters()), error, seconds)
+    seconds = times_of(new, shape)
+    if any(t > d for t, d in zip(seconds, dense_seconds)):
+        return None  # latency: never slower than the dense layer, at any batch timed
+    return Candidate(fmt, share, sum(p.numel() for p in new.parameters()), error,
+                     seconds[0] if seconds else None)
 
 
 def _apply(model: nn.Module, chosen: Mapping[str, nn.Module]) -> None:

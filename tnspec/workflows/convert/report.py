@@ -18,7 +18,7 @@ class Candidate:
     share: float
     params: int
     error: float
-    seconds: float | None = None  # forward and backward, where latency was measured
+    seconds: float | None = None  # at the data's shape, where latency was measured
 
 
 @dataclass(frozen=True)

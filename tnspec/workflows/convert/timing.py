@@ -1,9 +1,10 @@
 """The clocks of ``compress``: the one its phases read against ``max_seconds``, and the
-timing of a candidate layer under ``latency=True``."""
+timing of a candidate layer under ``latency``."""
 
 from __future__ import annotations
 
 import time
+from typing import Callable
 
 import torch
 from torch import nn
@@ -29,20 +30,48 @@ class Clock:
         return max(limit - self.read, 0.0)
 
 
-def timed(module: nn.Module, shape: tuple[int, ...] | None, repeats: int = 7) -> float:
-    """Median seconds of ``module``'s forward and backward on a random input of ``shape``
-    (own generator; a contiguous gradient, as a next layer gives)."""
+#: ``timer(module, shape) -> seconds``: how ``compress(latency=...)`` times a layer
+Timer = Callable[[nn.Module, tuple[int, ...]], float]
+
+
+def timed(module: nn.Module, shape: tuple[int, ...] | None, repeats: int = 7,
+          training: bool = False) -> float:
+    """Median seconds of ``module``'s forward on a random input of ``shape`` (own
+    generator) under ``no_grad``, as a served model runs it; with ``training``, its forward
+    and backward (a contiguous gradient, as a next layer gives)."""
     first = next(module.parameters())
     gen = torch.Generator(device=first.device).manual_seed(0)
     x = torch.randn(shape, generator=gen, dtype=first.dtype, device=first.device)
-    x.requires_grad_(True)
+    x.requires_grad_(training)
     params = [p for p in module.parameters() if p.requires_grad]  # a frozen layer's: none
     spent = []
-    with torch.enable_grad():
+    with torch.set_grad_enabled(training):
         for n in range(repeats + 2):  # two warm-up rounds: planning, autotuning
             start = time.perf_counter()
             y = module(x)
-            torch.autograd.grad(y, [x, *params], torch.ones_like(y))
+            if training:
+                torch.autograd.grad(y, [x, *params], torch.ones_like(y))
             if n >= 2:
                 spent.append(time.perf_counter() - start)
     return sorted(spent)[len(spent) // 2]
+
+
+def latency_timer(latency: bool | str, timer: Timer | None = None
+                  ) -> Callable[[nn.Module, tuple[int, ...] | None], tuple[float, ...]]:
+    """``times(module, shape)``: the seconds ``compress`` compares a candidate by, one per
+    input shape timed (none without ``latency`` or a shape). Served (``latency=True``): the
+    forward at the data's shape and at batch 1, where the data's batch is larger, since a
+    layer can be faster at one and slower at the other; ``"training"``: forward and backward
+    at the data's shape. ``timer`` replaces the clock."""
+    training = latency == "training"
+
+    def times(module: nn.Module, shape: tuple[int, ...] | None) -> tuple[float, ...]:
+        if not latency or shape is None:
+            return ()
+        shapes = [tuple(shape)]
+        if not training and len(shape) > 1 and shape[0] > 1:
+            shapes.append((1, *shape[1:]))
+        if timer is not None:
+            return tuple(timer(module, s) for s in shapes)
+        return tuple(timed(module, s, training=training) for s in shapes)
+    return times
