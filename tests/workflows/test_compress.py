@@ -207,12 +207,36 @@ def test_latency_times_the_served_forward_at_the_datas_batch_and_at_batch_1():
     assert {s[0] for s in seen} == {8, 1} and all(s[1:] for s in seen)
     assert all(c.chosen.format in ("dense", "cp") for c in report.choices)
     assert any(c.chosen.format == "cp" for c in report.choices)
-    assert all(c.format != "tucker2" for ch in report.choices for c in ch.candidates)
+    # only the picks are timed: a tucker2 candidate left was never picked, so never timed
+    assert all(c.seconds is None for ch in report.choices for c in ch.candidates
+               if c.format == "tucker2")
     seen.clear()  # for training: forward and backward at the data's shape alone
     _, report = _compress(_model(), 0.3, data=torch.randn(8, 3, 8, 8), latency="training",
                           timer=timer)
     assert {s[0] for s in seen} == {8}
     assert any(c.chosen.format == "tucker2" for c in report.choices)
+
+
+def test_latency_times_only_the_picks_and_allocates_as_timing_them_all_would():
+    """The allocation is timed, not every candidate: the slow picks leave and it is redone.
+    Its result is the allocation without the slow format at all."""
+    calls = []
+
+    def timer(module, shape):  # cp slow, tucker2 fast
+        if isinstance(module, tnspec.Layer):
+            calls.append(id(module))
+            return 0.5 if "U[" in module.spec else 2.0
+        return 1.0
+    x = torch.randn(8, 3, 8, 8)
+    _, lazy = _compress(_model(), 0.3, data=x, latency=True, timer=timer, prune=False)
+    _, without = tnspec.compress(_model(), 0.3, ("tucker2",), shares=(0.1, 0.3, 0.6),
+                                 exclude=["0"], fit=FAST, data=x, prune=False)
+    assert [(c.chosen.format, c.chosen.share) for c in lazy.choices] == \
+        [(c.chosen.format, c.chosen.share) for c in without.choices]
+    timed = len(set(calls))  # each at two batches
+    kept = [c for ch in lazy.choices for c in ch.candidates if c.format != "dense"]
+    dropped = timed - sum(c.seconds is not None for c in kept)
+    assert dropped > 0 and timed < len(kept) + dropped  # not every candidate
 
 
 @pytest.mark.parametrize("training", [False, True])

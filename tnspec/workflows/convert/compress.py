@@ -17,15 +17,14 @@ exactly, as a multiple-choice knapsack (dynamic programming over parameter count
 a unit of at most 1/2000 of the budget, so that the budget holds without rounding error).
 ``s_l`` is the layer's sensitivity: with ``data``, how much the model's output moves, relative to
 its size, when noise of relative size 1% is added to the layer's output (the errors of
-independent layers add in variance); without data, 1. With ``latency=True`` a candidate slower
-than its dense layer (its forward without autograd, as served, timed on this device at the
-data's batch and at batch 1) is never chosen; ``latency="training"`` times forward and backward.
+independent layers add in variance); without data, 1. With ``latency=True`` no layer is slower
+than its dense one, as served (forward, no autograd, at the data's batch and at batch 1).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -46,7 +45,7 @@ from . import sequential as sequential_fit
 from . import threads as threads_
 from .allocate import allocate
 from .report import Candidate, Choice, CompressReport
-from .timing import Clock, Timer, latency_timer
+from .timing import Clock, Timer, drop_slower, latency_timer
 from .tensorize import _keep_state, _replacement
 
 FORMATS = ("low_rank", "cp", "tucker2", "tt", "tr")  # the cheaper fits first
@@ -77,11 +76,12 @@ def compress(model: nn.Module, budget: float = 0.25, formats: Sequence[str] = FO
     layer's outputs, and each layer's sensitivity measured. ``fit``: options of
     :meth:`Layer.fit_` (by default one start, no hops, at most 30 sweeps stopping at a gain
     under 0.01%, 10 s a fit; with ``data``, 5 ALS sweeps before the refit, ``sweeps`` of
-    :func:`tnspec.fit.decompose.fit`). ``latency=True`` (needs ``data``) times every candidate
-    and the dense layer as a served model runs them, forward under ``no_grad``, on the input
-    shape the layer saw and on that shape at batch 1, and drops candidates slower than dense
-    at either; ``latency="training"`` times forward and backward at the data's shape alone
-    (for a model trained after); ``timer(module, shape) -> seconds`` replaces that timing.
+    :func:`tnspec.fit.decompose.fit`). ``latency=True`` (needs ``data``) times the candidates the
+    allocation picks and their dense layers as a served model runs them (forward under
+    ``no_grad``, on the input shape the layer saw and on it at batch 1) and allocates again
+    without those slower than dense at either; ``latency="training"`` times forward and
+    backward at the data's shape (a model trained after); ``timer(module, shape) -> seconds``
+    replaces the clock.
     ``max_seconds`` bounds the whole call: the formats are fitted one after the other over all
     layers, cheapest first, and the candidates left when the time is spent are not fitted (the
     report says how many); recording the inputs (a forward per batch) reads no further batch
@@ -123,10 +123,7 @@ def compress(model: nn.Module, budget: float = 0.25, formats: Sequence[str] = FO
         raise SpecError(f"formats={tuple(formats)!r}" +
                         (f": unknown format {unknown[0]!r}" if unknown else " is empty"),
                         hint=f"names from {', '.join(format_names.NAMES)}")
-    if latency not in (False, True, "serving", "training"):
-        raise SpecError(f"latency={latency!r} is not a timing",
-                        hint="latency=True (served: forward without autograd) or "
-                             "latency='training' (forward and backward)")
+    times_of = latency_timer(latency, timer)  # an unknown latency is refused here
     for flag, given in ((f"latency={latency!r}", latency), ("sequential=True", sequential),
                         (f"heal={heal!r}", heal)):
         if given and data is None:
@@ -208,7 +205,6 @@ def compress(model: nn.Module, budget: float = 0.25, formats: Sequence[str] = FO
         # the refits and the healing pass each take up to a fifth of max_seconds
         deadline = end - (0.2 * bool(sequential) + 0.2 * bool(heal)) * (max_seconds or 0)
         choices, unfitted = [], 0
-        times_of = latency_timer(latency, timer)
         for name, module in layers:
             dense_params = sum(p.numel() for p in module.parameters())
             shape = seen.get(name, (None, None))[0]
@@ -238,9 +234,8 @@ def compress(model: nn.Module, budget: float = 0.25, formats: Sequence[str] = FO
             networks[name].add(same)
             cand = _fitted(module, new, fmt, share, metric,
                            {**options, "max_seconds": min(options["max_seconds"] or math.inf,
-                                                          left)},
-                           times_of, shape, dense_seconds)
-            if cand is None or cand.params >= dense_params:
+                                                          left)})
+            if cand.params >= dense_params:
                 return None
             options_here.append((cand, new))
             return cand
@@ -287,17 +282,28 @@ def compress(model: nn.Module, budget: float = 0.25, formats: Sequence[str] = FO
                               f"({at - started:.0f} s so far"
                               + (f", about {ahead:.0f} s left)" if done < pairs else ")"))
 
+        shapes = {name: seen.get(name, (None, None))[0] for name, _ in layers}
+
         def allocated(sensitivities: Mapping[str, float] | None) -> tuple[list[int], bool]:
-            """The picks per layer, and whether they are over the budget."""
-            items = [[(c.params, ((sensitivities or {}).get(name, s) * c.error) ** 2)
-                      for c, _ in opts] for name, _, opts, s, _ in choices]
-            try:
-                return allocate(items, budget), False
-            except SpecError:
-                if max_seconds is None or unfitted == 0:
-                    raise  # the budget is below what the formats can do, not what time allowed
-                # bounded by time: the smallest fitted candidate of each layer, over the budget
-                return [min(range(len(layer)), key=lambda k: layer[k][0]) for layer in items], True
+            """The picks per layer, and whether they are over the budget. With ``latency``,
+            the picks are timed and the allocation redone without those slower than dense."""
+            while True:
+                items = [[(c.params, ((sensitivities or {}).get(name, s) * c.error) ** 2)
+                          for c, _ in opts] for name, _, opts, s, _ in choices]
+                try:
+                    picks = allocate(items, budget)
+                except SpecError:
+                    if max_seconds is None or unfitted == 0:
+                        raise  # the budget is below what the formats can do, not what time
+                    # bounded by time: the smallest fitted candidate of each layer, over it
+                    return [min(range(len(layer)), key=lambda k: layer[k][0])
+                            for layer in items], True
+                dropped = drop_slower(choices, picks, times_of, shapes,
+                                      lambda: clock.left(end)) if latency else 0
+                if not dropped:
+                    return picks, False
+                progress.line(f"{dropped} picked candidate(s) slower than their dense layer: "
+                              "allocated again without them")
 
         def chosen(picks: list[int]) -> dict[str, nn.Module]:
             return {name: opts[k][1] for (name, _, opts, _, _), k in zip(choices, picks)
@@ -348,21 +354,14 @@ def compress(model: nn.Module, budget: float = 0.25, formats: Sequence[str] = FO
 
 
 def _fitted(module: nn.Module, new: Layer, fmt: str, share: float, metric: torch.Tensor | None,
-            options: Mapping[str, Any], times_of: Callable[..., tuple[float, ...]],
-            shape: tuple[int, ...] | None, dense_seconds: tuple[float, ...]
-            ) -> Candidate | None:
-    """``new`` fitted to ``module`` (its bias copied, its flags kept) as a candidate; None where
-    ``latency`` finds it slower than the dense layer."""
+            options: Mapping[str, Any]) -> Candidate:
+    """``new`` fitted to ``module`` (its bias copied, its flags kept) as a candidate."""
     error = new._fit(weight_of(module).detach(), metric, **options)
     if module.bias is not None:
         with torch.no_grad():
             new.bias.copy_(module.bias.reshape(new.bias.shape))
     _keep_state(module, new)  # frozen stays frozen, and is timed so
-    seconds = times_of(new, shape)
-    if any(t > d for t, d in zip(seconds, dense_seconds)):
-        return None  # latency: never slower than the dense layer, at any batch timed
-    return Candidate(fmt, share, sum(p.numel() for p in new.parameters()), error,
-                     seconds[0] if seconds else None)
+    return Candidate(fmt, share, sum(p.numel() for p in new.parameters()), error)
 
 
 def _apply(model: nn.Module, chosen: Mapping[str, nn.Module]) -> None:

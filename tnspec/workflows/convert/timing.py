@@ -3,12 +3,14 @@ timing of a candidate layer under ``latency``."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from typing import Callable
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from torch import nn
 
+from ...errors import SpecError
 from ...progress import now
 
 
@@ -63,6 +65,10 @@ def latency_timer(latency: bool | str, timer: Timer | None = None
     forward at the data's shape and at batch 1, where the data's batch is larger, since a
     layer can be faster at one and slower at the other; ``"training"``: forward and backward
     at the data's shape. ``timer`` replaces the clock."""
+    if latency not in (False, True, "training"):
+        raise SpecError(f"latency={latency!r} is not a timing",
+                        hint="latency=True (served: forward without autograd) or "
+                             "latency='training' (forward and backward)")
     training = latency == "training"
 
     def times(module: nn.Module, shape: tuple[int, ...] | None) -> tuple[float, ...]:
@@ -75,3 +81,26 @@ def latency_timer(latency: bool | str, timer: Timer | None = None
             return tuple(timer(module, s) for s in shapes)
         return tuple(timed(module, s, training=training) for s in shapes)
     return times
+
+
+def drop_slower(choices: list[Any], picks: Sequence[int],
+                times: Callable[[nn.Module, tuple[int, ...] | None], tuple[float, ...]],
+                shapes: Mapping[str, tuple[int, ...] | None], left: Callable[[], float]) -> int:
+    """Time each candidate the allocation ``picks`` that is not timed yet (``choices``: rows
+    ``(name, dense params, [(candidate, layer)], sensitivity, dense layer's times)``): one
+    slower than its dense layer at any shape timed leaves its row, the others keep their
+    seconds. Only the picks are timed, never every candidate: the allocation redone without
+    the slower ones is the one every candidate's timing would give. Once ``left()`` is 0
+    (``max_seconds`` spent), an untimed pick leaves untimed. Returns how many left."""
+    dropped = 0
+    for (name, _, options, _, dense), k in zip(choices, picks):
+        candidate, layer = options[k]
+        if layer is None or candidate.seconds is not None or not dense:
+            continue  # dense, timed before, or a layer the data never reached: untimed
+        seconds = times(layer, shapes[name]) if left() > 0 else None
+        if seconds is None or any(t > d for t, d in zip(seconds, dense)):
+            del options[k]
+            dropped += 1
+        else:
+            options[k] = (dataclasses.replace(candidate, seconds=seconds[0]), layer)
+    return dropped
