@@ -252,6 +252,33 @@ def test_the_latency_clock_runs_backward_only_for_training(training):
     assert bool(backward) is training
 
 
+def test_latency_that_leaves_no_allocation_within_the_budget_says_so():
+    def timer(module, shape):  # every candidate slower than dense
+        return 2.0 if isinstance(module, tnspec.Layer) else 1.0
+    model = _model()
+    before = snapshot(model)
+    with pytest.raises(tnspec.SpecError, match="below what the smallest candidates need") as exc:
+        _compress(model, 0.3, data=torch.randn(4, 3, 8, 8), latency=True, timer=timer)
+    assert "latency=True left out" in exc.value.hint and "latency=False" in exc.value.hint
+    assert unchanged(before, model)
+
+
+def test_once_the_time_is_spent_the_picks_left_untimed_stay():
+    """max_seconds spent: nothing more is timed and no pick leaves for want of a time (an
+    allocation within the budget stays), and the count is returned for the progress line."""
+    from tnspec.workflows.convert.report import Candidate
+    from tnspec.workflows.convert.timing import drop_slower
+    layer = nn.Linear(4, 4)
+    rows = [("a", 20, [(Candidate("dense", 1.0, 20, 0.0, 1.0), None),
+                       (Candidate("cp", 0.5, 10, 0.1), layer)], 1.0, (1.0, 1.0))]
+    timed = []
+    times = lambda module, shape: timed.append(shape) or (2.0, 2.0)  # noqa: E731
+    assert drop_slower(rows, [1], times, {"a": (2, 4)}, lambda: 0.0) == (0, 1)
+    assert not timed and len(rows[0][2]) == 2
+    assert drop_slower(rows, [1], times, {"a": (2, 4)}, lambda: 5.0) == (1, 0)
+    assert timed == [(2, 4)] and len(rows[0][2]) == 1
+
+
 def test_an_unknown_latency_is_a_clear_error():
     with pytest.raises(tnspec.SpecError, match="latency='fast' is not a timing"):
         tnspec.compress(_model(), 0.5, data=torch.randn(4, 3, 8, 8), latency="fast")

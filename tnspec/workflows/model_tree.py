@@ -5,7 +5,7 @@ and how a workflow that changed nothing says why."""
 from __future__ import annotations
 
 import fnmatch
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 from torch import nn
 
@@ -48,3 +48,22 @@ def parameter_holders(model: nn.Module) -> dict[int, list[tuple[str, nn.Module]]
         for p in module.parameters(recurse=False):
             holders.setdefault(id(p), []).append((name, module))
     return holders
+
+
+def set_all(model: nn.Module, chosen: Mapping[str, nn.Module]) -> None:
+    """Set every chosen layer, or none: an interruption half-way puts the old ones back."""
+    old = {name: model.get_submodule(name) for name in chosen}
+    try:
+        for name, new in chosen.items():
+            set_submodule(model, name, new)
+    except BaseException:
+        for name, module in old.items():
+            set_submodule(model, name, module)
+        raise
+
+
+def set_where_other(model: nn.Module, wanted: Mapping[str, nn.Module]) -> None:
+    """Set ``wanted[name]`` at every name where the model holds another module."""
+    for name, module in wanted.items():
+        if model.get_submodule(name) is not module:
+            set_submodule(model, name, module)

@@ -38,7 +38,8 @@ from ..dense_layers import check_forward, is_dense, never_replaced, weight_of
 from ..feeding import Runner
 from ..left_alone import read_directly, tied
 from ..padded import Reading
-from ..model_tree import Selector, first_skipped, selected, set_submodule
+from ..model_tree import (Selector, first_skipped, selected, set_all, set_submodule,
+                          set_where_other)
 from . import heal as healing
 from . import observe
 from . import sequential as sequential_fit
@@ -287,21 +288,29 @@ def compress(model: nn.Module, budget: float = 0.25, formats: Sequence[str] = FO
         def allocated(sensitivities: Mapping[str, float] | None) -> tuple[list[int], bool]:
             """The picks per layer, and whether they are over the budget. With ``latency``,
             the picks are timed and the allocation redone without those slower than dense."""
+            slower = 0
             while True:
                 items = [[(c.params, ((sensitivities or {}).get(name, s) * c.error) ** 2)
                           for c, _ in opts] for name, _, opts, s, _ in choices]
                 try:
                     picks = allocate(items, budget)
-                except SpecError:
+                except SpecError as exc:
+                    if slower:  # latency left too few candidates
+                        raise SpecError(exc.message, hint=f"latency={latency!r} left out "
+                                        f"{slower} candidate(s) slower than their dense layer: "
+                                        "give a larger budget, or latency=False") from None
                     if max_seconds is None or unfitted == 0:
                         raise  # the budget is below what the formats can do, not what time
                     # bounded by time: the smallest fitted candidate of each layer, over it
                     return [min(range(len(layer)), key=lambda k: layer[k][0])
                             for layer in items], True
-                dropped = drop_slower(choices, picks, times_of, shapes,
-                                      lambda: clock.left(end)) if latency else 0
+                dropped, untimed = drop_slower(choices, picks, times_of, shapes,
+                                               lambda: clock.left(end)) if latency else (0, 0)
                 if not dropped:
+                    if untimed:
+                        progress.line(f"{untimed} pick(s) not timed: max_seconds was spent")
                     return picks, False
+                slower += dropped
                 progress.line(f"{dropped} picked candidate(s) slower than their dense layer: "
                               "allocated again without them")
 
@@ -311,7 +320,7 @@ def compress(model: nn.Module, budget: float = 0.25, formats: Sequence[str] = FO
 
         picks, over_budget = allocated(None)
         new = chosen(picks)
-        _apply(model, new)
+        set_all(model, new)
         refits, healed = (), None
         try:
             if sequential:
@@ -319,7 +328,7 @@ def compress(model: nn.Module, budget: float = 0.25, formats: Sequence[str] = FO
                 again = observe.sensitivities(model, layers, data, run, called={**called, **new},
                                               left=lambda: clock.left(refits_end))
                 picks, over_budget = allocated(again)
-                _swap(model, {**called, **chosen(picks)})
+                set_where_other(model, {**called, **chosen(picks)})
                 new = chosen(picks)
                 for i, (name, dense_params, opts, s, seconds) in enumerate(choices):
                     choices[i] = (name, dense_params, opts, again.get(name, s), seconds)
@@ -334,7 +343,7 @@ def compress(model: nn.Module, budget: float = 0.25, formats: Sequence[str] = FO
                 progress.line(f"healed: {healed.steps} step(s), distance to the original "
                               f"{healed.before:.4g} -> {healed.after:.4g}")
         except BaseException:
-            _swap(model, called)
+            set_where_other(model, called)
             raise
         report_rows = [Choice(name, dense_params, opts[k][0], tuple(c for c, _ in opts), s,
                               dense_seconds[0] if dense_seconds else None)
@@ -364,18 +373,6 @@ def _fitted(module: nn.Module, new: Layer, fmt: str, share: float, metric: torch
     return Candidate(fmt, share, sum(p.numel() for p in new.parameters()), error)
 
 
-def _apply(model: nn.Module, chosen: Mapping[str, nn.Module]) -> None:
-    """Set every chosen layer, or none: an interruption half-way puts the old ones back."""
-    old = {name: model.get_submodule(name) for name in chosen}
-    try:
-        for name, new in chosen.items():
-            set_submodule(model, name, new)
-    except BaseException:
-        for name, module in old.items():
-            set_submodule(model, name, module)
-        raise
-
-
 StandIns = Mapping[str, tuple[nn.Module, Reading, str]]  # name: (subclass, reading, layer)
 
 
@@ -391,10 +388,3 @@ def _put_back(model: nn.Module, stand_ins: StandIns, replaced: set[str]) -> None
     for name, (original, _, layer) in stand_ins.items():
         if layer not in replaced:
             set_submodule(model, name, original)
-
-
-def _swap(model: nn.Module, wanted: Mapping[str, nn.Module]) -> None:
-    """Set ``wanted[name]`` at every name where the model holds another module."""
-    for name, module in wanted.items():
-        if model.get_submodule(name) is not module:
-            set_submodule(model, name, module)

@@ -85,22 +85,27 @@ def latency_timer(latency: bool | str, timer: Timer | None = None
 
 def drop_slower(choices: list[Any], picks: Sequence[int],
                 times: Callable[[nn.Module, tuple[int, ...] | None], tuple[float, ...]],
-                shapes: Mapping[str, tuple[int, ...] | None], left: Callable[[], float]) -> int:
+                shapes: Mapping[str, tuple[int, ...] | None], left: Callable[[], float]
+                ) -> tuple[int, int]:
     """Time each candidate the allocation ``picks`` that is not timed yet (``choices``: rows
     ``(name, dense params, [(candidate, layer)], sensitivity, dense layer's times)``): one
     slower than its dense layer at any shape timed leaves its row, the others keep their
     seconds. Only the picks are timed, never every candidate: the allocation redone without
     the slower ones is the one every candidate's timing would give. Once ``left()`` is 0
-    (``max_seconds`` spent), an untimed pick leaves untimed. Returns how many left."""
-    dropped = 0
+    (``max_seconds`` spent) nothing more is timed. Returns how many left, and how many picks
+    stay untimed for want of time."""
+    dropped = untimed = 0
     for (name, _, options, _, dense), k in zip(choices, picks):
         candidate, layer = options[k]
         if layer is None or candidate.seconds is not None or not dense:
             continue  # dense, timed before, or a layer the data never reached: untimed
-        seconds = times(layer, shapes[name]) if left() > 0 else None
-        if seconds is None or any(t > d for t, d in zip(seconds, dense)):
+        if left() <= 0:
+            untimed += 1
+            continue
+        seconds = times(layer, shapes[name])
+        if any(t > d for t, d in zip(seconds, dense)):
             del options[k]
             dropped += 1
         else:
             options[k] = (dataclasses.replace(candidate, seconds=seconds[0]), layer)
-    return dropped
+    return dropped, untimed
