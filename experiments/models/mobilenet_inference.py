@@ -9,7 +9,7 @@ its layers (untimed); then interleaved rounds (every model once per round), medi
 is to the original in the same rounds. ``compress`` sees 4 other batches of 16 images at that
 size and keeps the pooled features.
 
-    python -m experiments.models.mobilenet_inference            # about 8 minutes on 2 cores
+    python -m experiments.models.mobilenet_inference            # about 3 minutes on 2 cores
     python -m experiments.models.mobilenet_inference --smoke    # the tests run it (seconds)
 """
 

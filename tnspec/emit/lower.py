@@ -196,25 +196,6 @@ class _Lowering(Products):
                                   for n in self.nodes[start:]]
         self.var[step.result.name] = out
 
-    def identities(self, step: Step, left: Var | Param,
-                   right: Var | Param) -> tuple[Step, Var | Param, Var | Param]:
-        """A step whose relations are all the identity (kernel 1, stride 1) as the channel
-        mixing it is: the data's axes read as the output's (no op: they are as long) and the
-        core reshaped without its unit kernel axes."""
-        target = {c.source: c.target for c in step.convs}
-        kernels = {str(c.kernel) for c in step.convs}
-        self.layout[left] = tuple(target.get(i, i) for i in self.layout[left])
-        self.dims[left] = tuple(self.size(i) if i in target.values() else d
-                                for i, d in zip(self.layout[left], self.dims[left]))
-        kept = [i for i in self.layout[right] if i not in kernels]
-        right = self.reshape_to(right, kept, [self.dim(right, i) for i in kept],
-                                right.name + "_m")
-        step = replace(step, left=replace(step.left, indices=tuple(
-            target.get(i, i) for i in step.left.indices)), right=replace(
-            step.right, indices=tuple(i for i in step.right.indices if i not in kernels)),
-            convs=())
-        return step, left, right
-
     def batch_dim(self, holder: Var | Param, batch: Sequence[str]) -> Size | int:
         """The flattened batch axis of a conv's input: the axis itself when there is one,
         else -1 (torch infers it)."""

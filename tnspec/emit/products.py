@@ -5,7 +5,9 @@ data), or as the weight of a later conv or linear step written in the layout tha
 :class:`Products` is the part of the lowering (``lower._Lowering``) that emits these; it reads
 the layouts ``program.Builder`` tracks and two attributes its subclass sets, ``channels_last``
 and ``wanted`` (the weight layout each conv or linear step reads, by the name of the step's
-weight operand). :func:`fold_unit_axes`, a pass over the finished nodes, makes the unit axes of
+weight operand); a conv step whose relations are all the identity (a 1x1 conv's core) that
+the planner chose to run as a product goes through :meth:`Products.identities` first.
+:func:`fold_unit_axes`, a pass over the finished nodes, makes the unit axes of
 a kernel built as an outer product in its factors' views.
 """
 
@@ -28,6 +30,25 @@ class Products(Builder):
     channels_last: bool  # the program is laid out for a channels-last input
     wanted: dict[str, tuple[str, ...]]  # the layout a conv or linear step reads its weight in
     unwanted: dict[str, tuple[str, ...]]  # a layout it must not get (see lower._weight_layout)
+
+    def identities(self, step: Step, left: Var | Param,
+                   right: Var | Param) -> tuple[Step, Var | Param, Var | Param]:
+        """A step whose relations are all the identity (kernel 1, stride 1) as the channel
+        mixing it is: the data's axes read as the output's (no op: they are as long) and the
+        core reshaped without its unit kernel axes."""
+        target = {c.source: c.target for c in step.convs}
+        kernels = {str(c.kernel) for c in step.convs}
+        self.layout[left] = tuple(target.get(i, i) for i in self.layout[left])
+        self.dims[left] = tuple(self.size(i) if i in target.values() else d
+                                for i, d in zip(self.layout[left], self.dims[left]))
+        kept = [i for i in self.layout[right] if i not in kernels]
+        right = self.reshape_to(right, kept, [self.dim(right, i) for i in kept],
+                                right.name + "_m")
+        step = replace(step, left=replace(step.left, indices=tuple(
+            target.get(i, i) for i in step.left.indices)), right=replace(
+            step.right, indices=tuple(i for i in step.right.indices if i not in kernels)),
+            convs=())
+        return step, left, right
 
     def einsum(self, step: Step, left: Var | Param, right: Var | Param, base: str,
                what: str) -> Var | Param:
