@@ -173,11 +173,16 @@ class Workflows(RuleBasedStateMachine):
         self.attempt(lambda m: tnspec.tensorize(m, fmt, rank=0.5,
                                                 weights="fit" if fit else "init")[0], fit)
 
-    @rule(sequential=st.booleans(), heal=st.sampled_from([0, 3]))
-    def compress(self, sequential: bool, heal: int) -> None:
+    @rule(sequential=st.booleans(), heal=st.sampled_from([0, 3]),
+          latency=st.sampled_from([False, True, "training"]), slow=st.integers(0, 3))
+    def compress(self, sequential: bool, heal: int, latency: bool | str, slow: int) -> None:
+        def timer(module: nn.Module, shape: tuple[int, ...]) -> float:
+            # a clock of no machine: a tnspec layer slower than dense by turns, at a batch
+            return 1.0 + (isinstance(module, tnspec.Layer) and (shape[0] + slow) % 2)
         self.attempt(lambda m: tnspec.compress(m, 0.6, ("cp",), shares=(0.3,), fit=FAST_FIT,
                                                data=self.x, sequential=sequential,
-                                               heal=heal)[0], False)
+                                               heal=heal, latency=latency,
+                                               timer=timer)[0], False)
 
     @rule()
     def merge(self) -> None:
