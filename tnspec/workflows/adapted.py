@@ -27,9 +27,9 @@ class Adapted(nn.Module):
     """A frozen ``base`` module (``nn.Linear`` or ``nn.Conv1d/2d/3d``, untouched, or one in a
     :class:`Padded`) and named tnspec ``adapters`` of its geometry: ``forward(x) = base(x) +
     scaling * adapter(x)`` for the active adapter, run as its planned network on the input as
-    the base pads it. An
-    adapter built with ``init="offset"`` has a frozen copy of itself at init in ``offsets``,
-    subtracted: ``scaling * (adapter(x) - offset(x))``, in one run where it can be (:func:`less`)."""
+    the base pads it. An adapter built with ``init="offset"`` has a frozen copy of itself at
+    init in ``offsets``, subtracted: ``scaling * (adapter(x) - offset(x))``, in one run where
+    it can be (:func:`less`)."""
 
     def __init__(self, base: nn.Module) -> None:
         super().__init__()

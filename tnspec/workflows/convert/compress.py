@@ -57,8 +57,9 @@ FIT = {"starts": 1, "hops": 0, "max_iter": 30, "tol": 1e-4, "max_seconds": 10.0,
 
 def compress(model: nn.Module, budget: float = 0.25, formats: Sequence[str] = FORMATS, *,
              data: torch.Tensor | Iterable[Any] | None = None, include: Selector = None,
-             exclude: Selector = None, latency: bool | str = False, shares: Sequence[float] = SHARES,
-             fit: Mapping[str, Any] | None = None, max_batches: int = 8,
+             exclude: Selector = None, latency: bool | str = False,
+             shares: Sequence[float] = SHARES, fit: Mapping[str, Any] | None = None,
+             max_batches: int = 8,
              run: Runner | None = None, max_seconds: float | None = None,
              prune: bool = True, timer: Timer | None = None, sequential: bool = False,
              heal: int = 0, heal_lr: float = 1e-4, threads: int | str | None = "auto"
@@ -222,7 +223,7 @@ def compress(model: nn.Module, budget: float = 0.25, formats: Sequence[str] = FO
                       dense_seconds: tuple[float, ...], fmt: str, share: float, left: float
                       ) -> Candidate | None:
             """``fmt`` at ``share`` fitted to the layer and added to its options; None where it
-            is no candidate (no rank within the share, fitted before, slower or not smaller)."""
+            is no candidate (no rank within the share, fitted before, or not smaller)."""
             shape, metric = seen.get(name, (None, None))
             try:
                 new = _replacement(module, fmt, share, "graph-in", "linear", {})
