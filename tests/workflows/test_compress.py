@@ -279,9 +279,11 @@ def test_once_the_time_is_spent_the_picks_left_untimed_stay():
     assert timed == [(2, 4)] and len(rows[0][2]) == 1
 
 
-def test_an_unknown_latency_is_a_clear_error():
+def test_an_unknown_latency_or_a_clock_without_it_is_a_clear_error():
     with pytest.raises(tnspec.SpecError, match="latency='fast' is not a timing"):
         tnspec.compress(_model(), 0.5, data=torch.randn(4, 3, 8, 8), latency="fast")
+    with pytest.raises(tnspec.SpecError, match="timer= is the clock of latency=, which is off"):
+        tnspec.compress(_model(), 0.5, data=torch.randn(4, 3, 8, 8), timer=lambda m, s: 1.0)
 
 
 def test_ctrl_c_leaves_the_model_unchanged():

@@ -182,7 +182,7 @@ class Workflows(RuleBasedStateMachine):
         self.attempt(lambda m: tnspec.compress(m, 0.6, ("cp",), shares=(0.3,), fit=FAST_FIT,
                                                data=self.x, sequential=sequential,
                                                heal=heal, latency=latency,
-                                               timer=timer)[0], False)
+                                               timer=timer if latency else None)[0], False)
 
     @rule()
     def merge(self) -> None:

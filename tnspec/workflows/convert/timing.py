@@ -69,6 +69,9 @@ def latency_timer(latency: bool | str, timer: Timer | None = None
         raise SpecError(f"latency={latency!r} is not a timing",
                         hint="latency=True (served: forward without autograd) or "
                              "latency='training' (forward and backward)")
+    if timer is not None and not latency:
+        raise SpecError("timer= is the clock of latency=, which is off",
+                        hint="give latency=True (or 'training') with it, or leave timer= out")
     training = latency == "training"
 
     def times(module: nn.Module, shape: tuple[int, ...] | None) -> tuple[float, ...]:
