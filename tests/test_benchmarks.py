@@ -287,3 +287,21 @@ def test_adapter_start_smoke_times_both_starts_of_every_format(capsys):
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| tnspec")]
     assert [row.split("|")[1].split()[1] for row in rows] == list(load("adapter_start").FORMATS)
     assert all(float(row.split("|")[4]) > 0 for row in rows)
+
+
+def test_pointwise_smoke_times_the_core_as_a_conv_and_as_chosen(capsys):
+    """benchmarks/pointwise.py --smoke: each layer served and trained, both plans and the dense
+    conv timed (the ratios are RESULTS.md's); the "before" plan keeps its core a conv, and the
+    chooser's patch is gone after."""
+    from tnspec.planning.problem import Problem
+    identities = Problem.identities
+    module = load("pointwise")
+    assert module.main(["--smoke"]) == 0
+    assert Problem.identities is identities
+    rows = [line for line in capsys.readouterr().out.splitlines() if " -> " in line]
+    assert len(rows) == 6 and all(float(r.split("|")[c]) > 0 for r in rows for c in (3, 4, 5))
+    dense, before, now = module.pair(8, 16)
+    module.plan(before, now, (2, 8, 6, 6))
+    x = torch.randn(2, 8, 6, 6)
+    from tnspec.emit.runtime import source_of
+    assert "F.conv2d(x, self.U)" in source_of(before._running(x).forward)
