@@ -66,7 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     layers = ((8, 16, 6), (16, 8, 6)) if args.smoke else LAYERS
     rounds = 3 if args.smoke else args.rounds
     print(machine())
-    print(f"\n| 1x1 conv | input | dense ms | before / dense | now / dense |\n|---|---|---|---|---|")
+    print("\n| 1x1 conv | input | dense ms | before / dense | now / dense |\n"
+          "|---|---|---|---|---|")
     for c, o, size in layers:
         dense, before, now = pair(c, o)
         for label, batch, train in (("serve, batch 1", 1, False), ("serve, batch 32", 32, False),
