@@ -52,7 +52,7 @@ def test_the_cache_round_trips_and_a_warm_cache_times_nothing(calibrated, monkey
 def test_refresh_measures_again_and_drops_the_devices_choices(calibrated, monkeypatch):
     tnspec.calibrate()
     monkeypatch.setattr(calibration, "time_mixing",
-                        lambda step, device, dtype, repeats: {"conv1x1": 2.0, "einsum": 1.0})
+                        lambda step, device, dtype, repeats, **k: {"conv1x1": 2.0, "einsum": 1.0})
     choose = calibration.chooser()
     assert choose(Mixing(4, 1, 8, 8, (16, 16))) == "einsum"
     assert json.loads(calibrated.read_text())["choices"]
@@ -205,11 +205,44 @@ def test_a_unit_kernel_with_a_stride_padding_or_dilation_stays_a_conv(relation):
     assert any(s.op == "conv" for s in steps)
 
 
+def test_served_mixing_is_timed_forward_alone_and_kept_apart(calibrated, monkeypatch):
+    """A layer called without autograd is served: its mixing steps are timed forward alone
+    and kept under their own key, and it runs a class of its own; the same layer training
+    runs the op timed forward and backward. Both compute the same."""
+    tnspec.calibrate()
+    seen = []
+
+    def fake(step, device, dtype, repeats, backward=True):  # einsum wins only when served
+        seen.append(backward)
+        return {"conv1x1": 1.0, "einsum": 2.0 if backward else 0.5}
+    monkeypatch.setattr(calibration, "time_mixing", fake)
+    step = Mixing(4, 1, 8, 8, (16, 16))
+    assert calibration.chooser(training=False)(step) == "einsum" and seen == [False]
+    assert calibration.chooser()(step) == "conv1x1" and seen == [False, True]
+    keys = [k for k in json.loads(calibrated.read_text())["choices"] if "mixing" in k]
+    assert sum(k.endswith(", served") for k in keys) == 1 and len(keys) == 2
+    layer = tnspec.layer(TUCKER2, c=16, o=16, r0=4, r1=4, kh=3, kw=3, autotune=False)
+    x = torch.randn(4, 16, 8, 8)
+    trained = layer(x)
+    with torch.no_grad():
+        served = layer(x)
+        source = runtime.source_of(layer._running(x).forward)
+    assert "torch.bmm" in source and len(layer._classes) == 2
+    assert "torch.bmm" not in runtime.source_of(layer._running(x).forward)
+    torch.testing.assert_close(served, trained.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_time_mixing_times_the_forward_alone_where_asked():
+    seconds = measure.time_mixing(Mixing(2, 1, 3, 4, (5, 5)), "cpu", torch.float64,
+                                  repeats=1, backward=False)
+    assert set(seconds) == {"conv1x1", "einsum"} and all(t > 0 for t in seconds.values())
+
+
 def test_a_measured_choice_is_kept_and_a_nearby_batch_is_not_timed_again(
         calibrated, monkeypatch):
     timed = []
 
-    def fake(step, device, dtype, repeats):
+    def fake(step, device, dtype, repeats, backward=True):
         timed.append(step)
         return {"conv1x1": 1.0, "einsum": 3.0}
     monkeypatch.setattr(calibration, "time_mixing", fake)
@@ -235,7 +268,7 @@ def test_the_einsum_is_chosen_only_when_clearly_faster(calibrated, monkeypatch):
     tnspec.calibrate()
     for einsum, op in ((0.95, "conv1x1"), (0.85, "einsum")):
         monkeypatch.setattr(calibration, "time_mixing", lambda step, device, dtype, repeats,
-                            e=einsum: {"conv1x1": 1.0, "einsum": e})
+                            e=einsum, **k: {"conv1x1": 1.0, "einsum": e})
         calibration.forget()
         calibrated.unlink()
         assert calibration.chooser()(Mixing(4, 1, 8, 8, (16, 16))) == op
@@ -248,7 +281,7 @@ def test_layers_time_their_candidate_orders_once_and_keep_the_fastest_in_the_cac
     and calibration off time no order."""
     tnspec.calibrate()
     monkeypatch.setattr(calibration, "time_mixing",
-                        lambda step, device, dtype, repeats: {"conv1x1": 1.0, "einsum": 2.0})
+                        lambda step, device, dtype, repeats, **k: {"conv1x1": 1.0, "einsum": 2.0})
     timed = []
     layouts = []
 
@@ -296,7 +329,7 @@ def test_an_order_timed_among_other_code_is_timed_again(calibrated, monkeypatch)
     fingerprint) is timed again and overwritten, not trusted."""
     tnspec.calibrate()
     monkeypatch.setattr(calibration, "time_mixing",
-                        lambda step, device, dtype, repeats: {"conv1x1": 1.0, "einsum": 2.0})
+                        lambda step, device, dtype, repeats, **k: {"conv1x1": 1.0, "einsum": 2.0})
     timed = []
 
     def count(self, classes, *args):
@@ -572,7 +605,7 @@ def test_a_requested_planner_is_the_order_that_runs(calibrated, monkeypatch):
 def test_the_plan_shown_is_the_order_the_autotuner_chose(calibrated, monkeypatch):
     tnspec.calibrate()
     monkeypatch.setattr(calibration, "time_mixing",
-                        lambda step, device, dtype, repeats: {"conv1x1": 1.0, "einsum": 2.0})
+                        lambda step, device, dtype, repeats, **k: {"conv1x1": 1.0, "einsum": 2.0})
 
     def second_is_fastest(self, classes, shape, repeats, channels_last=False):
         return quiet([1.0, 0.1] + [1.0] * (len(classes) - 2))
@@ -591,7 +624,7 @@ def test_spatial_sizes_share_plans_and_timings_by_size_class(calibrated, monkeyp
     within a factor of two now share a class, as batch sizes do."""
     tnspec.calibrate()
     mixing = []
-    monkeypatch.setattr(calibration, "time_mixing", lambda step, device, dtype, repeats: (
+    monkeypatch.setattr(calibration, "time_mixing", lambda step, device, dtype, repeats, **k: (
         mixing.append(step.spatial) or {"conv1x1": 1.0, "einsum": 2.0}))
     timed = []
     monkeypatch.setattr(tnspec.Layer, "_time", lambda self, classes, shape, repeats,
@@ -611,7 +644,7 @@ def test_spatial_sizes_share_plans_and_timings_by_size_class(calibrated, monkeyp
 def test_autotuning_stops_past_its_time_budget(calibrated, monkeypatch, caplog):
     tnspec.calibrate()
     monkeypatch.setattr(calibration, "time_mixing",
-                        lambda step, device, dtype, repeats: {"conv1x1": 1.0, "einsum": 2.0})
+                        lambda step, device, dtype, repeats, **k: {"conv1x1": 1.0, "einsum": 2.0})
     timed = []
     monkeypatch.setattr(tnspec.Layer, "_time", lambda self, classes, shape, repeats,
                         channels_last=False: timed.append(shape) or quiet([1.0] * len(classes)))
@@ -657,7 +690,7 @@ def _fake_clock(monkeypatch, lead: list[float]) -> list[int]:
         return quiet([1.0] + [lead[0]] * (len(classes) - 1))
     monkeypatch.setattr(tnspec.Layer, "_time", fake)
     monkeypatch.setattr(calibration, "time_mixing",
-                        lambda step, device, dtype, repeats: {"conv1x1": 1.0, "einsum": 2.0})
+                        lambda step, device, dtype, repeats, **k: {"conv1x1": 1.0, "einsum": 2.0})
     return calls
 
 
@@ -729,7 +762,7 @@ def test_a_lead_inside_the_spread_of_the_rounds_is_noise_and_not_kept(calibrated
     the spread twice is kept, with every candidate's median, spread and the conditions."""
     tnspec.calibrate()
     monkeypatch.setattr(calibration, "time_mixing",
-                        lambda step, device, dtype, repeats: {"conv1x1": 1.0, "einsum": 2.0})
+                        lambda step, device, dtype, repeats, **k: {"conv1x1": 1.0, "einsum": 2.0})
     spread = [0.3]
     calls = []
 

@@ -31,6 +31,7 @@ from ..planning.plan import PLANNERS, Plan, plan
 from ..emit import runtime, safe
 from ..emit.lower import Program, bias_shape, lower
 from . import autotune, fitting
+from .modes import AUTOCAST_DEVICES, autocast_dtype, mode
 
 __all__ = ["Layer"]
 
@@ -109,7 +110,7 @@ class Layer(nn.Module):
         self._last_class: type | None = None
         self._last_shape: torch.Size | None = None
         self._last_stride: tuple[int, ...] | None = None
-        self._last_autocast: torch.dtype | None = None
+        self._last_autocast: tuple | None = None  # autocast's dtype, grad mode (modes.mode)
         self._last_channels_last = False  # whether the last eager input was channels-last
         self.__dict__.setdefault("_tuning_spent", 0.0)  # seconds spent timing orders
 
@@ -167,8 +168,8 @@ class Layer(nn.Module):
             return torch.device("cpu"), torch.float32
         # autocast raises when asked about a device it does not know (meta, where large
         # models are built before their weights are loaded)
-        known = first.device.type in _AUTOCAST_DEVICES
-        lower = _autocast(first.device.type) if first.dtype == torch.float32 and known else None
+        known = first.device.type in AUTOCAST_DEVICES
+        lower = autocast_dtype(first.device.type) if first.dtype == torch.float32 and known else None
         return first.device, lower or first.dtype
 
     def _itemsize(self) -> int:
@@ -177,7 +178,8 @@ class Layer(nn.Module):
     def _measured(self) -> dict[str, Any]:
         """The cost model and op chooser of the device and dtype the contraction runs in."""
         where = self._where()
-        return dict(model=calibration.cost_model(*where), choose=calibration.chooser(*where))
+        return dict(model=calibration.cost_model(*where),
+                    choose=calibration.chooser(*where, training=torch.is_grad_enabled()))
 
     def program(self, shape: Sequence[int], channels_last: bool = False) -> Program:
         """The lowered program for an input of ``shape`` (laid out channels-last if asked)."""
@@ -286,11 +288,13 @@ class Layer(nn.Module):
         return cls
 
     def _key(self, shape: tuple[int, ...], channels_last: bool) -> tuple:
-        """What a class is planned and kept for: the shape's size class, the layout and, under
-        autocast, the dtype the contraction runs in."""
+        """What a class is planned and kept for: the shape's size class, the layout, under
+        autocast the dtype the contraction runs in, and whether it is served (no autograd:
+        its channel mixing is timed forward alone)."""
         where = self._where()
         return self._shape_key(shape) + (("channels_last",) if channels_last else ()) + \
-            ((str(where[1]),) if where[1] != next(self.parameters()).dtype else ())
+            ((str(where[1]),) if where[1] != next(self.parameters()).dtype else ()) + \
+            (() if torch.is_grad_enabled() else ("served",))
 
     def _shape_key(self, shape: tuple[int, ...]) -> tuple[int, ...]:
         """The shape's size class: batch and spatial sizes to the nearest power of two."""
@@ -353,8 +357,8 @@ class Layer(nn.Module):
             runtime.compilable_key(owner._trace_name)
             cls = owner._traced_class
         elif x.shape == owner._last_shape and x.stride() == owner._last_stride and \
-                _autocast("cuda" if x.is_cuda else "cpu") == owner._last_autocast:
-            cls = owner._last_class  # the hot path: the same shape, layout and precision
+                mode(x) == owner._last_autocast:
+            cls = owner._last_class  # the hot path: the same shape, layout, precision, mode
         else:
             shape = owner._lookups(x.shape) if self.network.lookup else tuple(x.shape)
             if owner._unbatched_dims >= 0:  # checked here, to quote the shape as given
@@ -370,7 +374,7 @@ class Layer(nn.Module):
             owner.__dict__.update(
                 _last_class=cls, _last_shape=x.shape, _last_stride=x.stride(),
                 _last_channels_last=last,
-                _last_autocast=_autocast("cuda" if x.is_cuda else "cpu"))
+                _last_autocast=mode(x))
         return cls
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Layer:
@@ -386,14 +390,3 @@ class Layer(nn.Module):
 
 
 _is_compiling = torch.compiler.is_compiling  # dynamo knows the function itself
-
-
-def _autocast(device_type: str) -> torch.dtype | None:
-    """Autocast's dtype where it is on for ``device_type`` (one of ``_AUTOCAST_DEVICES``),
-    else None."""
-    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) \
-        else None
-
-
-#: the device types autocast can be asked about (``meta`` makes torch raise)
-_AUTOCAST_DEVICES = frozenset({"cpu", "cuda", "xpu", "mps", "hpu", "xla", "mtia", "ipu"})

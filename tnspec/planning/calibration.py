@@ -296,26 +296,27 @@ MARGIN = 0.9
 PRUNE = 4.0
 
 
-def chooser(device: torch.device | str = "cpu",
-            dtype: torch.dtype = torch.float32) -> Chooser | None:
-    """How channel-mixing steps run on ``device``: a function that answers "conv1x1" or
-    "einsum" for a :class:`~tnspec.planning.cost.Mixing` from the cache, timing both the first
-    time a size class is seen. None when calibration is off (the cost model decides)."""
+def chooser(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+            training: bool = True) -> Chooser | None:
+    """How channel-mixing steps run on ``device``: "conv1x1" or "einsum" for a
+    :class:`~tnspec.planning.cost.Mixing`, from the cache, both timed (forward and backward,
+    or without ``training`` forward alone: served, the other can win) the first time a size
+    class is seen. None when calibration is off (the cost model decides)."""
     if not measures(device):
         return None
 
     def choose(step: Mixing) -> str:
-        # timed and kept per size class: spatial sizes too (a layer that sees many image
-        # sizes times each class once)
+        # kept per size class, spatial sizes too (a layer seeing many sizes times each once)
         step = replace(step, spatial=tuple(size_class(n) for n in step.spatial))
         batch = batch_class(step)
         what = (f"mixing batch {batch}, groups {step.groups}, {step.inputs} -> {step.outputs} "
-                f"over {'x'.join(map(str, step.spatial))}")
+                f"over {'x'.join(map(str, step.spatial))}" + ("" if training else ", served"))
         found = recall(device, dtype, what)
         if found is None and capturing():
             return "conv1x1"  # nothing is timed inside a capture; the conv is the default
         if found is None:
-            seconds = time_mixing(replace(step, batch=batch), device, dtype, repeats=9)
+            seconds = time_mixing(replace(step, batch=batch), device, dtype, repeats=9,
+                                  backward=training)
             # the einsum only when clearly faster (MARGIN): the conv keeps the data contiguous
             # and can add the bias itself
             op = "einsum" if seconds["einsum"] < MARGIN * seconds["conv1x1"] else "conv1x1"

@@ -79,8 +79,13 @@ class Bench:
                            requires_grad=True)
 
     @staticmethod
-    def step(fn: Callable[..., torch.Tensor], *inputs: torch.Tensor) -> Callable[[], None]:
+    def step(fn: Callable[..., torch.Tensor], *inputs: torch.Tensor,
+             backward: bool = True) -> Callable[[], None]:
         def run() -> None:
+            if not backward:  # served: the forward alone, nothing kept for a backward
+                with torch.no_grad():
+                    fn(*inputs)
+                return
             y = fn(*inputs)
             # a contiguous gradient, as the next layer gives (ones_like would copy an einsum's
             # permuted strides and spare its backward the copy it makes in a real network)
@@ -140,21 +145,24 @@ def batch_class(step: Mixing) -> int:
 
 
 def time_mixing(step: Mixing, device: torch.device | str, dtype: torch.dtype,
-                repeats: int = 5) -> dict[str, float]:
-    """Seconds, forward and backward, of ``step`` as a grouped 1x1 convolution and as an
-    einsum, each laid out as lowering emits it (median of interleaved repetitions)."""
+                repeats: int = 5, backward: bool = True) -> dict[str, float]:
+    """Seconds, forward and backward (the forward alone without ``backward``), of ``step``
+    as a grouped 1x1 convolution and as an einsum, each laid out as lowering emits it
+    (median of interleaved repetitions)."""
     bench = Bench(device, dtype)
     b, g, cin, cout, spatial = step.batch, step.groups, step.inputs, step.outputs, step.spatial
     conv = getattr(F, f"conv{len(spatial)}d")
     with torch.inference_mode(False), torch.enable_grad():
         runs = [bench.step(lambda x, w: conv(x, w, groups=g), bench.rand(b, g * cin, *spatial),
-                           bench.rand(g * cout, cin, *(1,) * len(spatial))),
+                           bench.rand(g * cout, cin, *(1,) * len(spatial)), backward=backward),
                 # without groups, lowering runs the einsum as a matmul over views of the data
                 bench.step(lambda x, w: torch.bmm(w.expand(b, -1, -1), x),
-                           bench.rand(b, cin, math.prod(spatial)), bench.rand(cout, cin))
+                           bench.rand(b, cin, math.prod(spatial)), bench.rand(cout, cin),
+                           backward=backward)
                 if g == 1 else
                 bench.step(lambda x, w: torch.einsum("bgcs,gco->bgos", x, w),
-                           bench.rand(b, g, cin, math.prod(spatial)), bench.rand(g, cin, cout))]
+                           bench.rand(b, g, cin, math.prod(spatial)), bench.rand(g, cin, cout),
+                           backward=backward)]
         times = bench.rounds(runs, repeats)
     return {op: sorted(t)[len(t) // 2] for op, t in zip(("conv1x1", "einsum"), times)}
 
