@@ -20,6 +20,7 @@ import tnspec
 from tnspec.cli import main
 from tnspec.planning import cache, calibration, measure
 from tnspec.emit import runtime
+from tnspec.nn import autotune
 from tnspec.nn.autotune import Timing
 from tnspec.planning.cost import CostModel, Mixing
 from tnspec.planning.plan import plan
@@ -230,6 +231,35 @@ def test_served_mixing_is_timed_forward_alone_and_kept_apart(calibrated, monkeyp
     assert "torch.bmm" in source and len(layer._classes) == 2
     assert "torch.bmm" not in runtime.source_of(layer._running(x).forward)
     torch.testing.assert_close(served, trained.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_a_served_layer_times_its_orders_forward_alone_and_keeps_them_apart(
+        calibrated, monkeypatch):
+    """Called without autograd, a layer's candidate orders are timed without a backward and
+    the winner is kept under its own key; trained, the same shape is timed again with one."""
+    tnspec.calibrate()
+    monkeypatch.setattr(calibration, "time_mixing",
+                        lambda step, device, dtype, repeats, **k: {"conv1x1": 1.0, "einsum": 2.0})
+    modes = []
+    real = autotune.time_orders
+
+    def spy(layer, classes, *args, **kwargs):
+        modes.append(torch.is_grad_enabled())
+        return real(layer, classes, *args, **kwargs)
+    monkeypatch.setattr(autotune, "time_orders", spy)
+    backward = []
+    layer = tnspec.layer(TUCKER2, c=16, o=16, r0=2, r1=3, kh=3, kw=3)
+    layer.G.register_hook(lambda g: backward.append(1))
+    x = torch.randn(4, 16, 8, 8)
+    with torch.no_grad():
+        served = layer(x)
+    assert modes and not any(modes) and not backward
+    keys = [k for k in json.loads(calibrated.read_text())["choices"] if "order of" in k]
+    assert len(keys) == 1 and keys[0].endswith(" served")
+    torch.testing.assert_close(layer(x).detach(), served)
+    assert any(modes) and backward  # trained: timed with a backward, under its own key
+    keys = [k for k in json.loads(calibrated.read_text())["choices"] if "order of" in k]
+    assert len(keys) == 2
 
 
 def test_time_mixing_times_the_forward_alone_where_asked():

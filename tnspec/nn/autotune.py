@@ -28,9 +28,10 @@ from ..emit import runtime
 def fastest(layer: Any, shape: tuple[int, ...], channels_last: bool = False,
             repeats: int = 5) -> tuple[type, Plan, str]:
     """The fastest distinct candidate order for ``shape``, timed forward and backward on
-    the cores' device, or recalled from the calibration cache where a process timed the
-    same candidates' code before (where another build of tnspec lowers them differently,
-    they are timed again). For a 2-D conv's input that is not channels-last, the model's
+    the cores' device (the forward alone for a layer called without autograd, kept apart in
+    the cache: a served layer's order), or recalled from the calibration cache where a
+    process timed the same candidates' code before (where another build of tnspec lowers
+    them differently, they are timed again). For a 2-D conv's input that is not channels-last, the model's
     order run channels-last inside is a candidate too (``lower(..., convert=True)``); for an
     index input the candidates are the cuts of its modes (``lookup_candidates``). The
     model's order stays unless another leads it (:meth:`Timing.leads`: by 10%,
@@ -86,8 +87,9 @@ def fastest(layer: Any, shape: tuple[int, ...], channels_last: bool = False,
     # in order of first appearance in the spec (the canonical names' order)
     sizes = ", ".join(f"{canon(k)}={v}" for k, v in sorted(
         layer.sizes.items(), key=lambda kv: int(canon(kv[0])[1:])))
+    served = not torch.is_grad_enabled()  # timed forward alone, and kept apart
     what = f"order of {canon(layer.spec)} ({sizes}) for {list(layer._shape_key(shape))}" + \
-        (" channels_last" if channels_last else "")
+        (" channels_last" if channels_last else "") + (" served" if served else "")
     device, dtype = layer._where()
     kept = calibration.measures(device)
     found = calibration.recall(device, dtype, what) if kept else None
@@ -133,7 +135,8 @@ def fastest(layer: Any, shape: tuple[int, ...], channels_last: bool = False,
                            for k, t in zip(keys, timings)},
             "conditions": conditions, "when": time.time()})
     return (*pairs[best], f"timed {len(classes)} candidate "
-            f"{'cuts' if layer.network.lookup else 'orders'} forward and backward" +
+            f"{'cuts' if layer.network.lookup else 'orders'} " +
+            ("forward alone" if served else "forward and backward") +
             (" (other threads took the CPUs: the choice is not kept)" if busy else ""))
 
 
@@ -240,12 +243,14 @@ def time_orders(layer: Any, classes: list[type], shape: tuple[int, ...], repeats
                 channels_last: bool = False) -> list[Timing]:
     """The :class:`Timing` of each class's forward and backward on a random input of
     ``shape`` (laid out channels-last if asked; indices for an index input), in interleaved
-    rounds, by :func:`stopwatch`: on a GPU the device's time without the launches."""
+    rounds, by :func:`stopwatch`: on a GPU the device's time without the launches. Called
+    without autograd (a served layer), the forward alone."""
+    served = not torch.is_grad_enabled()
     first = next(iter(layer.parameters()))
     gen = torch.Generator(device=first.device).manual_seed(0)
     times: list[list[float]] = [[] for _ in classes]
     watch = stopwatch(first.device)
-    with torch.inference_mode(False), torch.enable_grad():
+    with torch.inference_mode(False), torch.set_grad_enabled(not served):
         inputs = [p for p in layer.parameters() if p.requires_grad]
         if layer.network.lookup:  # indices (the planned shape ends in the one-hot axis)
             x = torch.randint(0, shape[-1], shape[:-1], device=first.device, generator=gen)
@@ -253,14 +258,13 @@ def time_orders(layer: Any, classes: list[type], shape: tuple[int, ...], repeats
             x = torch.randn(shape, dtype=first.dtype, device=first.device, generator=gen)
             if channels_last:
                 x = x.contiguous(memory_format=torch.channels_last)
-            inputs.insert(0, x.requires_grad_(True))
+            inputs.insert(0, x.requires_grad_(not served))
         for n in range(repeats + 1):  # the first round warms up
             for cls, spent in zip(classes, times):
                 watch.start()
                 y = cls.forward(layer, x)
-                # a dense gradient in the output's layout, as the next layer gives
-                grad = torch.ones_like(y)
-                torch.autograd.grad(y, inputs, grad)
+                if not served:  # a dense gradient in the output's layout, as a next layer's
+                    torch.autograd.grad(y, inputs, torch.ones_like(y))
                 seconds = watch.stop()
                 if n:
                     spent.append(seconds)

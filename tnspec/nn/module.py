@@ -334,8 +334,8 @@ class Layer(nn.Module):
 
     def _time(self, classes: list[type], shape: tuple[int, ...], repeats: int,
               channels_last: bool = False) -> list[autotune.Timing]:
-        """The median and spread of each class's forward and backward (see
-        :func:`autotune.time_orders`)."""
+        """The median and spread of each class's forward and backward, or forward alone
+        where called without autograd (see :func:`autotune.time_orders`)."""
         return autotune.time_orders(self, classes, shape, repeats, channels_last)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
