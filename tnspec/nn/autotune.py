@@ -31,9 +31,9 @@ def fastest(layer: Any, shape: tuple[int, ...], channels_last: bool = False,
     the cores' device (the forward alone for a layer called without autograd, kept apart in
     the cache: a served layer's order), or recalled from the calibration cache where a
     process timed the same candidates' code before (where another build of tnspec lowers
-    them differently, they are timed again). For a 2-D conv's input that is not channels-last, the model's
-    order run channels-last inside is a candidate too (``lower(..., convert=True)``); for an
-    index input the candidates are the cuts of its modes (``lookup_candidates``). The
+    them differently, they are timed again). For a 2-D conv's input that is not
+    channels-last, the model's order run channels-last inside is a candidate too
+    (``lower(..., convert=True)``); for an index input the candidates are the cuts of its modes (``lookup_candidates``). The
     model's order stays unless another leads it (:meth:`Timing.leads`: by 10%,
     ``calibration.MARGIN``, and by more than the spread of either) in two independent sets
     of rounds, the second against the model's order alone; an order the cost model prices at
