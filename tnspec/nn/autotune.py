@@ -27,29 +27,28 @@ from ..emit import runtime
 
 def fastest(layer: Any, shape: tuple[int, ...], channels_last: bool = False,
             repeats: int = 5) -> tuple[type, Plan, str]:
-    """The fastest distinct candidate order for ``shape``, timed forward and backward on
-    the cores' device (the forward alone for a layer called without autograd, kept apart in
-    the cache: a served layer's order), or recalled from the calibration cache where a
-    process timed the same candidates' code before (where another build of tnspec lowers
-    them differently, they are timed again). For a 2-D conv's input that is not
-    channels-last, the model's order run channels-last inside is a candidate too
-    (``lower(..., convert=True)``); for an index input the candidates are the cuts of its modes (``lookup_candidates``). The
+    """The fastest distinct candidate order for ``shape``, timed forward and backward on the
+    cores' device (the forward alone for a layer called without autograd, kept apart in the
+    cache: a served layer's order), or recalled from the calibration cache where a process
+    timed the same candidates' code before (where another build of tnspec lowers them
+    differently, they are timed again). For a 2-D conv's input that is not channels-last, the
+    model's order run channels-last inside is a candidate too (``lower(..., convert=True)``);
+    for an index input the candidates are the cuts of its modes (``lookup_candidates``). The
     model's order stays unless another leads it (:meth:`Timing.leads`: by 10%,
-    ``calibration.MARGIN``, and by more than the spread of either) in two independent sets
-    of rounds, the second against the model's order alone; an order the cost model prices at
-    more than ``calibration.PRUNE`` times the cheapest is not timed, except dense-first (the
-    kernel rebuilt, then the dense op: what the dense layer costs, and a floor where the
-    model overprices it). The cache entry keeps
-    every candidate's median and spread, the machine's load and threads, and when; it is
-    keyed by the network with its names made canonical (``choices.canonical``), so that
-    the same network under other names recalls it. A lead measured while as many other
-    threads ran as there are CPUs is used but not kept in the cache; a recalled order other
-    than the model's is timed against it once a process (``RECHECK_REPEATS`` rounds), and where its
-    lead is gone the model's order runs and replaces it in the cache, so that a choice
-    measured on a busy machine does not persist. Timing uses its own random generator and
-    gradients, so that the global RNG, ``no_grad``, ``inference_mode`` and frozen cores are
-    left as they are. Returns the class, the plan whose order it runs, and what was done in
-    words."""
+    ``calibration.MARGIN``, and by more than the spread of either) in two independent sets of
+    rounds, the second against the model's order alone; an order the cost model prices at more
+    than ``calibration.PRUNE`` times the cheapest is not timed, except dense-first (the kernel
+    rebuilt, then the dense op: what the dense layer costs, and a floor where the model
+    overprices it). The cache entry keeps every candidate's median and spread, the machine's
+    load and threads, and when; it is keyed by the network with its names made canonical
+    (``choices.canonical``), so that the same network under other names recalls it. A lead
+    measured while as many other threads ran as there are CPUs is used but not kept in the
+    cache; a recalled order other than the model's is timed against it once a process
+    (``RECHECK_REPEATS`` rounds), and where its lead is gone the model's order runs and
+    replaces it in the cache, so that a choice measured on a busy machine does not persist.
+    Timing uses its own random generator and gradients, so that the global RNG, ``no_grad``,
+    ``inference_mode`` and frozen cores are left as they are. Returns the class, the plan whose
+    order it runs, and what was done in words."""
     bound = bind_shape(layer.network, shape)
     measured = layer._measured()
     plans: list[Any] = []
