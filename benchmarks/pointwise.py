@@ -1,18 +1,19 @@
 """A factorized 1x1 conv planned as before this benchmark (its first core the conv it always
 was, every mixing op timed forward and backward) against as planned now (that core a mixing
-step too, and a served layer's mixing timed forward alone).
+step too, and a served layer's mixing and order timed forward alone).
 
-    python benchmarks/pointwise.py            # RESULTS.md, "A 1x1 conv's core as channel mixing"
+    python benchmarks/pointwise.py            # RESULTS.md, "A 1x1 conv's core as ..."
     python benchmarks/pointwise.py --smoke    # tiny sizes, a few rounds (the tests run it)
 
 The layers are MobileNetV2's pointwise convs at the sizes they see at 224 px, each replaced by
 a low-rank one at half its parameters (``tnspec.formats.low_rank``, ``U[r, c, kh, kw]`` at
 ``kh = kw = 1``, then ``V[o, r]``). Each is built twice with the same cores: "before" is
-planned with the identity relations hidden from the chooser (its first core stays a conv) and
-the chooser's timing forward and backward even where the layer is served, as every tree before
-this benchmark planned it; "now" as planned by default. Both and the dense conv
-are timed in one process, interleaved: the forward under ``no_grad`` (serving) at batch 1 and
-32, and forward and backward (training) at batch 8, with the calibrated chooser of this machine.
+planned as every tree before this benchmark planned it, the identity relations hidden from the
+chooser (its first core stays a conv) and one class for training and serving, planned and
+timed for training; "now" as planned by default (a served layer's mixing ops and orders timed
+forward alone). Both and the dense conv are timed in one process, interleaved: the forward
+under ``no_grad`` (serving) at batch 1 and 32, and forward and backward (training) at batch 8,
+with the calibrated chooser of this machine.
 """
 
 from __future__ import annotations
@@ -31,7 +32,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import fwd_bwd, interleaved, machine  # noqa: E402
 
 import tnspec  # noqa: E402
-from tnspec.planning import calibration  # noqa: E402
 from tnspec.planning.problem import Problem  # noqa: E402
 
 #: (channels in, channels out, spatial size) of MobileNetV2's pointwise convs at 224 px
@@ -48,16 +48,17 @@ def pair(c: int, o: int) -> tuple[nn.Module, nn.Module, nn.Module]:
 
 
 def plan(before: nn.Module, now: nn.Module, shape: tuple[int, ...]) -> None:
-    """Plan both for ``shape``, trained and served: ``before`` with the identity relations
-    hidden from the chooser and its ops timed for training alone."""
+    """Plan both for ``shape``, trained and served: ``before`` as trees before these changes
+    planned it, the identity relations hidden from the chooser and one class for both modes
+    (the one planned and timed for training, set in the served class's place)."""
     x = torch.randn(shape)
-    chooser = calibration.chooser
-    with mock.patch.object(Problem, "identities", lambda self, convs: False), \
-            mock.patch.object(calibration, "chooser",
-                              lambda device, dtype, training=True: chooser(device, dtype)):
+    with mock.patch.object(Problem, "identities", lambda self, convs: False):
         before(x).sum().backward()
-        with torch.no_grad():
-            before(x)
+    trained = before._key(tuple(shape), False)
+    with torch.no_grad():
+        served = before._key(tuple(shape), False)
+        before._classes[served], before._plans[served] = \
+            before._classes[trained], before._plans[trained]
     now(x).sum().backward()
     with torch.no_grad():
         now(x)
