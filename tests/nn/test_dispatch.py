@@ -175,3 +175,18 @@ def test_adapter_starts_dispatch_what_they_did_and_scaling_one_costs_no_multiply
     assert sum(counts["zero"].values()) <= 31 and sum(counts["offset"].values()) <= 46
     assert counts["principal"]["mul"] == 0 and counts["offset"]["mul"] == 2
     assert sum(counts["principal"].values()) == sum(counts["offset"].values()) - 2
+
+
+def test_a_1x1_cores_product_step_reads_its_weight_built_as_the_conv_would(monkeypatch):
+    """Where the chooser runs a 1x1 conv's core as a batched matmul, the weight built of cores
+    for it is written in the layout the conv would read (an outer product of views, no
+    torch.einsum) and drops its unit axes by a view: CP's 1x1 step 55 ops -> 49."""
+    monkeypatch.setattr(tnspec.planning.calibration, "chooser",
+                        lambda *a, **k: lambda step: "einsum")
+    layer = tnspec.formats.build("cp", 144, 24, 1, rank=0.3).layer(autotune=False)
+    x = torch.randn(2, 144, 8, 8)
+    ops = step_ops(layer, x)
+    assert ops["bmm"] >= 2 and ops["convolution"] == 0
+    assert sum(ops.values()) <= 49, dict(ops)
+    weights = layer.source(tuple(x.shape)).split("def _weights")[1]
+    assert "torch.mul(D_v" in weights and weights.count("torch.einsum") == 1

@@ -55,7 +55,7 @@ class _Lowering(Products):
         # the layout each conv or linear step reads its weight in: where an einsum builds that
         # weight, it writes it in an order that layout is one cheap permute away from
         self.wanted = {s.right.name: _weight_layout(s, self.channels_last) for s in plan.steps
-                       if s.op in ("conv", "conv1x1", "linear")}
+                       if s.op in ("conv", "conv1x1", "linear") or s.convs}
         # a contiguous program's conv weight written channels-last would make the conv's
         # result channels-last too
         self.unwanted = {} if self.channels_last else {
@@ -352,15 +352,16 @@ _VIEWS = {".reshape", ".permute", ".flip", "[]", "torch.einsum"}
 
 
 def _weight_layout(step: Step, channels_last: bool) -> tuple[str, ...]:
-    """The order of the weight's indices that a conv or linear step reshapes it from; in a
+    """The order of the weight's indices that a conv or linear step reshapes it from (a
+    unit-kernel conv run as a product too: it drops the unit axes by a view); in a
     channels-last program, the kernels before the inputs: the conv reads that weight
     permuted (a view) as a channels-last one, the layout it computes in, where a contiguous
     one would be copied on the way."""
     sp = step.split
     kernels = tuple(str(c.kernel) for i in sp.spatial for c in step.convs if c.source == i)
-    if step.op != "conv":
+    if not step.convs:
         return sp.groups + sp.outputs + sp.inputs
-    if channels_last:
+    if channels_last and step.op == "conv":
         return sp.groups + sp.outputs + kernels + sp.inputs
     return sp.groups + sp.outputs + sp.inputs + kernels
 

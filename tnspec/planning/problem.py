@@ -332,12 +332,12 @@ class Problem:
         """``step`` with its op picked by ``choose`` when it is channel mixing that both a 1x1
         conv and an einsum can run; other steps are returned as they are. A conv whose every
         relation is the identity (a kernel of 1, stride 1, no padding or dilation: a 1x1
-        conv's core) is channel mixing too: as an einsum it keeps its relations, for lowering
-        to read the data's axes as the output's and the core without its unit kernel axes."""
+        conv's core) is channel mixing too: as an einsum it keeps its relations and split, for
+        lowering to read the data's axes as the output's, the core without its unit kernel
+        axes, and a weight built of cores in the layout the conv would read."""
         if step.data_side and step.op == "conv" and self.identities(step.convs):
-            if choose(self.mixing(step.split)) == "conv1x1":
-                return step
-            return replace(step, op="einsum", split=Split())
+            return step if choose(self.mixing(step.split)) == "conv1x1" else \
+                replace(step, op="einsum")
         if not step.data_side or step.convs or step.op not in ("conv1x1", "einsum"):
             return step
         op, split = self.operation(step.left, step.right, step.result, (), "conv", True)
