@@ -263,6 +263,27 @@ def test_latency_that_leaves_no_allocation_within_the_budget_says_so():
     assert unchanged(before, model)
 
 
+@pytest.mark.parametrize("after_swap", [False, True])
+def test_a_clock_that_raises_leaves_the_model_exactly_as_it_was(after_swap):
+    """The latency clock raising while the first allocation is timed, or (sequential) while
+    the second is, after the new layers were set in the model: structure, values,
+    requires_grad, modes and ties are as before, by snapshot."""
+    model = _model()
+    model[2].requires_grad_(False)
+    model[5].eval()
+    before = snapshot(model)
+
+    def timer(module, shape):
+        swapped = any(isinstance(m, tnspec.Layer) for m in model.modules())
+        if isinstance(module, tnspec.Layer) and swapped == after_swap:
+            raise RuntimeError("clock broke")
+        return 0.5 if isinstance(module, tnspec.Layer) else 1.0
+    with pytest.raises(RuntimeError, match="clock broke"):
+        _compress(model, 0.3, data=torch.randn(4, 3, 8, 8), latency=True, timer=timer,
+                  sequential=after_swap)
+    assert unchanged(before, model)
+
+
 def test_once_the_time_is_spent_the_picks_left_untimed_stay():
     """max_seconds spent: nothing more is timed and no pick leaves for want of a time (an
     allocation within the budget stays), and the count is returned for the progress line."""
