@@ -13,6 +13,8 @@ import sys
 import pytest
 import torch
 
+import tnspec
+
 from .conftest import ROOT
 
 
@@ -289,10 +291,12 @@ def test_adapter_start_smoke_times_both_starts_of_every_format(capsys):
     assert all(float(row.split("|")[4]) > 0 for row in rows)
 
 
-def test_pointwise_smoke_times_the_core_as_a_conv_and_as_chosen(capsys):
+def test_pointwise_smoke_times_the_core_as_a_conv_and_as_chosen(capsys, monkeypatch):
     """benchmarks/pointwise.py --smoke: each layer served and trained, both plans and the dense
-    conv timed (the ratios are RESULTS.md's); the "before" plan keeps its core a conv, and the
-    chooser's patch is gone after."""
+    conv timed (the ratios are RESULTS.md's). With a chooser that takes the product, "before"
+    keeps its core a conv in both modes (one class) and "now" runs it as a matmul; the patch
+    that hides the identity relations is gone after."""
+    from tnspec.emit.runtime import source_of
     from tnspec.planning.problem import Problem
     identities = Problem.identities
     module = load("pointwise")
@@ -300,8 +304,13 @@ def test_pointwise_smoke_times_the_core_as_a_conv_and_as_chosen(capsys):
     assert Problem.identities is identities
     rows = [line for line in capsys.readouterr().out.splitlines() if " -> " in line]
     assert len(rows) == 6 and all(float(r.split("|")[c]) > 0 for r in rows for c in (3, 4, 5))
+    monkeypatch.setattr(tnspec.planning.calibration, "chooser",
+                        lambda *a, **k: lambda step: "einsum")
     dense, before, now = module.pair(8, 16)
     module.plan(before, now, (2, 8, 6, 6))
     x = torch.randn(2, 8, 6, 6)
-    from tnspec.emit.runtime import source_of
-    assert "F.conv2d(x, self.U)" in source_of(before._running(x).forward)
+    for grad in (True, False):
+        with torch.set_grad_enabled(grad):
+            assert "F.conv2d(x, self.U)" in source_of(before._running(x).forward)
+            assert "F.conv2d(x, self.U)" not in source_of(now._running(x).forward)
+    assert Problem.identities is identities

@@ -52,8 +52,9 @@ class _Lowering(Products):
         self.convert = convert
         self.compiled = compiled
         self.var: dict[str, Var | Param] = {}  # plan operand -> what holds it now
-        # the layout each conv or linear step reads its weight in: where an einsum builds that
-        # weight, it writes it in an order that layout is one cheap permute away from
+        # the layout each conv or linear step (or unit-kernel conv run as a product) reads its
+        # weight in: where an einsum builds that weight, it writes it in an order that layout
+        # is one cheap permute away from
         self.wanted = {s.right.name: _weight_layout(s, self.channels_last) for s in plan.steps
                        if s.op in ("conv", "conv1x1", "linear") or s.convs}
         # a contiguous program's conv weight written channels-last would make the conv's

@@ -110,14 +110,14 @@ class Layer(nn.Module):
         self._last_class: type | None = None
         self._last_shape: torch.Size | None = None
         self._last_stride: tuple[int, ...] | None = None
-        self._last_autocast: tuple | None = None  # autocast's dtype, grad mode (modes.mode)
+        self._last_mode: tuple | None = None  # autocast's dtype, grad mode (modes.mode)
         self._last_channels_last = False  # whether the last eager input was channels-last
         self.__dict__.setdefault("_tuning_spent", 0.0)  # seconds spent timing orders
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()  # generated classes are rebuilt, not pickled
         for name in ("_classes", "_plans", "_last_class", "_last_shape", "_last_stride",
-                     "_last_autocast", "_last_channels_last", "_trace_name"):
+                     "_last_mode", "_last_channels_last", "_trace_name"):
             del state[name]
         for name in ("_traced_class", "_kept", "_doubled"):  # built again as needed
             state.pop(name, None)
@@ -357,7 +357,7 @@ class Layer(nn.Module):
             runtime.compilable_key(owner._trace_name)
             cls = owner._traced_class
         elif x.shape == owner._last_shape and x.stride() == owner._last_stride and \
-                mode(x) == owner._last_autocast:
+                mode(x) == owner._last_mode:
             cls = owner._last_class  # the hot path: the same shape, layout, precision, mode
         else:
             shape = owner._lookups(x.shape) if self.network.lookup else tuple(x.shape)
@@ -374,7 +374,7 @@ class Layer(nn.Module):
             owner.__dict__.update(
                 _last_class=cls, _last_shape=x.shape, _last_stride=x.stride(),
                 _last_channels_last=last,
-                _last_autocast=mode(x))
+                _last_mode=mode(x))
         return cls
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Layer:

@@ -153,16 +153,14 @@ def time_mixing(step: Mixing, device: torch.device | str, dtype: torch.dtype,
     b, g, cin, cout, spatial = step.batch, step.groups, step.inputs, step.outputs, step.spatial
     conv = getattr(F, f"conv{len(spatial)}d")
     with torch.inference_mode(False), torch.enable_grad():
-        runs = [bench.step(lambda x, w: conv(x, w, groups=g), bench.rand(b, g * cin, *spatial),
-                           bench.rand(g * cout, cin, *(1,) * len(spatial)), backward=backward),
-                # without groups, lowering runs the einsum as a matmul over views of the data
-                bench.step(lambda x, w: torch.bmm(w.expand(b, -1, -1), x),
-                           bench.rand(b, cin, math.prod(spatial)), bench.rand(cout, cin),
-                           backward=backward)
-                if g == 1 else
-                bench.step(lambda x, w: torch.einsum("bgcs,gco->bgos", x, w),
-                           bench.rand(b, g, cin, math.prod(spatial)), bench.rand(g, cin, cout),
-                           backward=backward)]
+        cases = [(lambda x, w: conv(x, w, groups=g), bench.rand(b, g * cin, *spatial),
+                  bench.rand(g * cout, cin, *(1,) * len(spatial))),
+                 # without groups, lowering runs the einsum as a matmul over views of the data
+                 (lambda x, w: torch.bmm(w.expand(b, -1, -1), x),
+                  bench.rand(b, cin, math.prod(spatial)), bench.rand(cout, cin)) if g == 1 else
+                 (lambda x, w: torch.einsum("bgcs,gco->bgos", x, w),
+                  bench.rand(b, g, cin, math.prod(spatial)), bench.rand(g, cin, cout))]
+        runs = [bench.step(fn, *inputs, backward=backward) for fn, *inputs in cases]
         times = bench.rounds(runs, repeats)
     return {op: sorted(t)[len(t) // 2] for op, t in zip(("conv1x1", "einsum"), times)}
 

@@ -223,6 +223,7 @@ def _sum_of(layer: Layer, offset: Layer, doubled: Layer, x: torch.Tensor) -> tor
         for core in layer.network.cores:  # hold no step's tensors between calls
             cores[core.name] = None
 
+
 def delta_weight(layer: Layer, scaling: float) -> torch.Tensor:
     """``scaling`` times the adapter ``layer`` as a dense weight, from float64 copies of its
     cores (what merging adds to the base weight)."""
