@@ -50,6 +50,22 @@ def test_zoo_channel_mixing_as_1x1_convs_in_both_layouts(fmt, dims, stride, pad,
 
 @pytest.mark.parametrize("fmt, dims, stride, pad, dilation", TWO_D,
                          ids=["-".join(map(str, c)) for c in TWO_D])
+def test_zoo_channel_mixing_as_products_in_both_layouts(fmt, dims, stride, pad, dilation,
+                                                        monkeypatch):
+    """Forced to products (a 1x1 core's conv too), channels-last data is mixed by a matmul of
+    the matrix it is stored as, contiguous data by a batched matmul of its view."""
+    monkeypatch.setattr(tnspec.planning.calibration, "chooser",
+                        lambda *a, **k: lambda step: "einsum")
+    text, sizes, shape = spec(fmt, dims, stride, pad, dilation)
+    torch.manual_seed(0)
+    module = tnspec.layer(text, dtype=torch.float64, **sizes)
+    x = torch.randn(2, *shape)
+    compare(module, x)
+    compare(module, x.contiguous(memory_format=torch.channels_last))
+
+
+@pytest.mark.parametrize("fmt, dims, stride, pad, dilation", TWO_D,
+                         ids=["-".join(map(str, c)) for c in TWO_D])
 def test_zoo_run_channels_last_inside_matches_the_dense_reference(fmt, dims, stride, pad,
                                                                    dilation, monkeypatch):
     """The autotuner's candidate that converts a contiguous input to channels-last, runs the

@@ -159,8 +159,9 @@ LOW_RANK_1X1 = "x[b, c, h+kh, w+kw], U[r, c, kh, kw], V[o, r] -> y[b, o, h, w]" 
 @pytest.mark.parametrize("contiguous", [True, False])
 def test_a_unit_kernel_conv_is_channel_mixing_the_chooser_decides(contiguous):
     """A 1x1 conv's core (a kernel of 1, stride 1, no padding) makes a conv step that is
-    channel mixing: the chooser is asked, and as an einsum it runs as a batched matmul of the
-    core without its unit axes, computing what the conv does, forward and backward."""
+    channel mixing: the chooser is asked, and as an einsum it runs as a matmul of the core
+    without its unit axes (batched over contiguous data, of the stored matrix of channels-last
+    data), computing what the conv does, forward and backward."""
     sizes = dict(c=16, o=12, r=5, kh=1, kw=1)
     net = bind_shape(tnspec.compile(LOW_RANK_1X1, **sizes), (8, 16, 9, 9))
     seen = []
@@ -189,7 +190,9 @@ def test_a_unit_kernel_conv_is_channel_mixing_the_chooser_decides(contiguous):
         ran[op] = (y, x.grad, model.U.grad, model.V.grad)
         x.grad = None
         source = runtime.source_of(model._class(tuple(x.shape), not contiguous).forward)
-        assert ("torch.bmm(U_m_e" in source or "torch.einsum" in source) is (op == "einsum")
+        assert ("torch.bmm(U_m_e" in source or "torch.mm(x_r, U_m_p)" in source) is \
+            (op == "einsum")
+        assert "torch.einsum" not in source
     for a, b in zip(ran["conv1x1"], ran["einsum"]):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(ran["einsum"][0], F.conv2d(
@@ -213,7 +216,7 @@ def test_served_mixing_is_timed_forward_alone_and_kept_apart(calibrated, monkeyp
     tnspec.calibrate()
     seen = []
 
-    def fake(step, device, dtype, repeats, backward=True):  # einsum wins only when served
+    def fake(step, device, dtype, repeats, backward=True, **k):  # einsum wins served
         seen.append(backward)
         return {"conv1x1": 1.0, "einsum": 2.0 if backward else 0.5}
     monkeypatch.setattr(calibration, "time_mixing", fake)
@@ -268,11 +271,50 @@ def test_time_mixing_times_the_forward_alone_where_asked():
     assert set(seconds) == {"conv1x1", "einsum"} and all(t > 0 for t in seconds.values())
 
 
+def test_time_mixing_times_channels_last_data_as_lowering_mixes_it():
+    """On channels-last data the einsum is timed as the lowering emits it (a matmul of the
+    matrix the data is stored as), and that computes the 1x1 conv."""
+    x = torch.randn(2, 6, 5, 4, dtype=torch.float64).contiguous(
+        memory_format=torch.channels_last)
+    w = torch.randn(3, 6, dtype=torch.float64)
+    y = measure._mixed_last(x, w)
+    torch.testing.assert_close(y, F.conv2d(x, w[:, :, None, None]))
+    assert y.is_contiguous(memory_format=torch.channels_last)
+    for groups in (1, 2):
+        seconds = measure.time_mixing(Mixing(2, groups, 3, 4, (5, 5)), "cpu", torch.float64,
+                                      repeats=1, channels_last=True)
+        assert set(seconds) == {"conv1x1", "einsum"} and all(t > 0 for t in seconds.values())
+
+
+def test_channels_last_mixing_is_timed_on_channels_last_data_and_kept_apart(
+        calibrated, monkeypatch):
+    """A layer fed channels-last data asks the chooser for that layout: its mixing steps are
+    timed on such data and kept under their own key, and the op that wins there runs."""
+    tnspec.calibrate()
+    seen = []
+
+    def fake(step, device, dtype, repeats, backward=True, channels_last=False):
+        seen.append(channels_last)  # the einsum wins on channels-last data alone
+        return {"conv1x1": 1.0, "einsum": 0.5 if channels_last else 2.0}
+    monkeypatch.setattr(calibration, "time_mixing", fake)
+    layer = tnspec.layer(TUCKER2, c=16, o=16, r0=4, r1=4, kh=3, kw=3, autotune=False)
+    x = torch.randn(4, 16, 8, 8)
+    y = layer(x)
+    assert "torch.mm" not in runtime.source_of(layer._running(x).forward)
+    last = x.contiguous(memory_format=torch.channels_last)
+    y_last = layer(last)
+    assert True in seen and "torch.mm(" in runtime.source_of(layer._running(last).forward)
+    keys = [k for k in json.loads(calibrated.read_text())["choices"] if "mixing" in k]
+    assert any(k.endswith(", channels_last") for k in keys)
+    assert any(not k.endswith(", channels_last") for k in keys)
+    torch.testing.assert_close(y_last, y, rtol=1e-5, atol=1e-6)
+
+
 def test_a_measured_choice_is_kept_and_a_nearby_batch_is_not_timed_again(
         calibrated, monkeypatch):
     timed = []
 
-    def fake(step, device, dtype, repeats, backward=True):
+    def fake(step, device, dtype, repeats, **k):
         timed.append(step)
         return {"conv1x1": 1.0, "einsum": 3.0}
     monkeypatch.setattr(calibration, "time_mixing", fake)

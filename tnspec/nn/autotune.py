@@ -50,7 +50,7 @@ def fastest(layer: Any, shape: tuple[int, ...], channels_last: bool = False,
     ``inference_mode`` and frozen cores are left as they are. Returns the class, the plan whose
     order it runs, and what was done in words."""
     bound = bind_shape(layer.network, shape)
-    measured = layer._measured()
+    measured = layer._measured(channels_last)
     plans: list[Any] = []
     if layer.network.lookup:  # an index input: the cuts of its modes into gathered runs
         plans = lookup_candidates(bound, measured["model"], max_bytes=layer.max_bytes,

@@ -156,9 +156,9 @@ class Layer(nn.Module):
                              f"got {len(shape)}")
         return (*shape, modes)
 
-    def _plan(self, shape: tuple[int, ...]) -> Plan:
+    def _plan(self, shape: tuple[int, ...], channels_last: bool = False) -> Plan:
         return plan(bind_shape(self.network, shape), self.planner, max_bytes=self.max_bytes,
-                    itemsize=self._itemsize(), **self._measured())
+                    itemsize=self._itemsize(), **self._measured(channels_last))
 
     def _where(self) -> tuple[torch.device, torch.dtype]:
         """The device the cores live on and the dtype the contraction runs in there: the
@@ -175,11 +175,12 @@ class Layer(nn.Module):
     def _itemsize(self) -> int:
         return self._where()[1].itemsize
 
-    def _measured(self) -> dict[str, Any]:
-        """The cost model and op chooser of the device and dtype the contraction runs in."""
+    def _measured(self, channels_last: bool = False) -> dict[str, Any]:
+        """The cost model and op chooser of the device and dtype the contraction runs in (the
+        chooser times the data laid out as the input arrives: ``channels_last`` or not)."""
         where = self._where()
-        return dict(model=calibration.cost_model(*where),
-                    choose=calibration.chooser(*where, training=torch.is_grad_enabled()))
+        return dict(model=calibration.cost_model(*where), choose=calibration.chooser(
+            *where, training=torch.is_grad_enabled(), channels_last=channels_last))
 
     def program(self, shape: Sequence[int], channels_last: bool = False) -> Program:
         """The lowered program for an input of ``shape`` (laid out channels-last if asked)."""
@@ -270,7 +271,7 @@ class Layer(nn.Module):
                             "size classes are planned by the cost model alone", self.spec,
                             self._tuning_spent, self.autotune_seconds)
         else:
-            the_plan, work = self._plan(shape), "planned, nothing timed"
+            the_plan, work = self._plan(shape, channels_last), "planned, nothing timed"
             cls = runtime.layer_class(self.network, the_plan, channels_last)
         self._plans[key] = (shape, the_plan)
         spent = time.perf_counter() - start
@@ -314,7 +315,8 @@ class Layer(nn.Module):
         return first is not None and calibration.measures(first.device)
 
     def _planned(self, shape: tuple[int, ...], channels_last: bool = False) -> type:
-        return runtime.layer_class(self.network, self._plan(shape), channels_last)
+        return runtime.layer_class(self.network, self._plan(shape, channels_last),
+                                   channels_last)
 
     def _compilable_class(self) -> type:
         """The class a ``torch.compile``-d call traces: the one the last eager call ran, or,

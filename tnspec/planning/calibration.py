@@ -37,8 +37,7 @@ from ..progress import Progress
 from . import cache
 from . import choices as choices_
 from .cost import Chooser, CostModel, Mixing
-from .measure import (MAX_RATE, batch_class, doubts, fit, measure, size_class,
-                      time_mixing)
+from .measure import MAX_RATE, batch_class, doubts, fit, measure, size_class, time_mixing
 
 ENV_SWITCH = "TNSPEC_CALIBRATE"
 ENV_DIR, FILE_NAME, FORMAT = cache.ENV_DIR, cache.FILE_NAME, cache.FORMAT
@@ -297,26 +296,27 @@ PRUNE = 4.0
 
 
 def chooser(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-            training: bool = True) -> Chooser | None:
+            training: bool = True, channels_last: bool = False) -> Chooser | None:
     """How channel-mixing steps run on ``device``: "conv1x1" or "einsum" for a
-    :class:`~tnspec.planning.cost.Mixing`, from the cache, both timed (forward and backward,
-    or without ``training`` forward alone: served, the other can win) the first time a size
-    class is seen. None when calibration is off (the cost model decides)."""
+    :class:`~tnspec.planning.cost.Mixing`, from the cache, both timed the first time a size
+    class is seen: forward and backward (without ``training``, served, forward alone), on
+    ``channels_last`` or contiguous data as lowering runs each. None without calibration."""
     if not measures(device):
         return None
+    kind = ("" if training else ", served") + (", channels_last" if channels_last else "")
 
     def choose(step: Mixing) -> str:
         # kept per size class, spatial sizes too (a layer seeing many sizes times each once)
         step = replace(step, spatial=tuple(size_class(n) for n in step.spatial))
         batch = batch_class(step)
         what = (f"mixing batch {batch}, groups {step.groups}, {step.inputs} -> {step.outputs} "
-                f"over {'x'.join(map(str, step.spatial))}" + ("" if training else ", served"))
+                f"over {'x'.join(map(str, step.spatial))}{kind}")
         found = recall(device, dtype, what)
         if found is None and capturing():
             return "conv1x1"  # nothing is timed inside a capture; the conv is the default
         if found is None:
             seconds = time_mixing(replace(step, batch=batch), device, dtype, repeats=9,
-                                  backward=training)
+                                  backward=training, channels_last=channels_last)
             # the einsum only when clearly faster (MARGIN): the conv keeps the data contiguous
             # and can add the bias itself
             op = "einsum" if seconds["einsum"] < MARGIN * seconds["conv1x1"] else "conv1x1"

@@ -145,17 +145,27 @@ def batch_class(step: Mixing) -> int:
 
 
 def time_mixing(step: Mixing, device: torch.device | str, dtype: torch.dtype,
-                repeats: int = 5, backward: bool = True) -> dict[str, float]:
+                repeats: int = 5, backward: bool = True,
+                channels_last: bool = False) -> dict[str, float]:
     """Seconds, forward and backward (the forward alone without ``backward``), of ``step``
-    as a grouped 1x1 convolution and as an einsum, each laid out as lowering emits it
-    (median of interleaved repetitions)."""
+    as a grouped 1x1 convolution and as an einsum, each laid out as lowering emits it, on
+    contiguous data or (2-D, ``channels_last``) channels-last data (median of interleaved
+    repetitions)."""
     bench = Bench(device, dtype)
     b, g, cin, cout, spatial = step.batch, step.groups, step.inputs, step.outputs, step.spatial
     conv = getattr(F, f"conv{len(spatial)}d")
+    last = channels_last and len(spatial) == 2
     with torch.inference_mode(False), torch.enable_grad():
-        cases = [(lambda x, w: conv(x, w, groups=g), bench.rand(b, g * cin, *spatial),
+        data = bench.rand(b, g * cin, *spatial)
+        if last:
+            data = data.detach().contiguous(memory_format=torch.channels_last).requires_grad_()
+        cases = [(lambda x, w: conv(x, w, groups=g), data,
                   bench.rand(g * cout, cin, *(1,) * len(spatial))),
-                 # without groups, lowering runs the einsum as a matmul over views of the data
+                 # without groups, lowering runs the einsum as a matmul over views of the data:
+                 # channels-last data as the (b h w, c) matrix it is stored as
+                 (_mixed_last, data, bench.rand(cout, cin)) if last and g == 1 else
+                 (lambda x, w: torch.einsum("bgchw,gco->bgohw", x.view(b, g, cin, *spatial),
+                                            w), data, bench.rand(g, cin, cout)) if last else
                  (lambda x, w: torch.bmm(w.expand(b, -1, -1), x),
                   bench.rand(b, cin, math.prod(spatial)), bench.rand(cout, cin)) if g == 1 else
                  (lambda x, w: torch.einsum("bgcs,gco->bgos", x, w),
@@ -163,6 +173,13 @@ def time_mixing(step: Mixing, device: torch.device | str, dtype: torch.dtype,
         runs = [bench.step(fn, *inputs, backward=backward) for fn, *inputs in cases]
         times = bench.rounds(runs, repeats)
     return {op: sorted(t)[len(t) // 2] for op, t in zip(("conv1x1", "einsum"), times)}
+
+
+def _mixed_last(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``w[o, c] x[b, c, h, w]`` over channels-last ``x``, as lowering emits it."""
+    b, c, h, width = x.shape
+    y = torch.mm(x.permute(0, 2, 3, 1).reshape(b * h * width, c), w.permute(1, 0))
+    return y.reshape(b, h, width, -1).permute(0, 3, 1, 2)
 
 
 def timed(run: Callable[[], None], device: torch.device) -> float:
