@@ -232,6 +232,23 @@ def test_mixing_benchmark_finds_the_input_copy_only_in_the_einsum_form():
         assert einsum_mb - bmm_mb == pytest.approx(0 if fmt == "tt-modes" else 12, abs=0.2), fmt
 
 
+def test_mixing_benchmark_channels_last_mm_dispatches_fewer_ops_than_the_einsum():
+    """benchmarks/mixing.py --channels-last --rounds 1: both builds compute the same on a
+    channels-last input; where a mixing step meets the data as its 4-D matrix (all but TR and
+    channel-tensorized TT) the torch.mm form dispatches fewer ops than the einsum, else the
+    two are the same code."""
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "mixing.py"), "--rounds",
+                          "1", "--channels-last"], capture_output=True, text=True,
+                         timeout=600, env={**os.environ, "TNSPEC_CALIBRATE": "0"})
+    assert out.returncode == 0, out.stderr
+    rows = {line.split()[0]: [float(v) for v in line.split()[1:]]
+            for line in out.stdout.splitlines()[4:]}
+    assert set(rows) == {"cp", "tucker", "tucker2", "tt", "tt-modes", "tr", "htk2"}
+    for fmt, (*_, einsum_ops, mm_ops) in rows.items():
+        assert (mm_ops == einsum_ops) if fmt in ("tt-modes", "tr") else \
+            (mm_ops <= einsum_ops - 16), fmt
+
+
 def test_dispatch_ops_counts_a_resnet_step_and_every_format(capsys):
     """benchmarks/dispatch_ops.py, the op table of RESULTS.md: it runs, and the counts hold
     what issue 58 reached: within 20% of the hand-written three convs (a 1x1 weight's view

@@ -165,7 +165,7 @@ def _zoo_model(tmp_path, monkeypatch, kind: str, names: tuple[str, ...] = ()
 
 
 @pytest.mark.parametrize("kind", ["inline", "generated", "inline 1x1",
-                                  "inline 1x1 channels_last"])
+                                  "inline 1x1 channels_last", "inline mm channels_last"])
 def test_default_torch_compile_of_every_lowering_pattern_across_sizes(tmp_path, monkeypatch,
                                                                       kind):
     """Default torch.compile (Inductor; dynamic shapes from the second size on) of inline and
@@ -173,18 +173,21 @@ def test_default_torch_compile_of_every_lowering_pattern_across_sizes(tmp_path, 
     "1x1" kinds at one). At these sizes the cost model mixes channels by a matrix product;
     "1x1" forces 1x1 convs, 1-D over the flattened axes for a contiguous input, 2-D for a
     channels-last one (on the two layers with a mixing step before and after a conv, grouped
-    or not: compiling takes time).
+    or not: compiling takes time); "mm" forces the product, a torch.mm of the matrix
+    channels-last data is stored as.
     The inline kind, which runs the generated code (tests/test_one_executor.py) behind
     trace-time planning, compiles two layers (a plain and a grouped-mode input), the generated
     kind the other three, so that each of the five is compiled once in its default lowering;
     every layer's tracing is checked cheaply by the one-graph test."""
     torch._dynamo.reset()
     last = kind.endswith("channels_last")
-    if "1x1" in kind:
+    one = "1x1" in kind or "mm" in kind  # one lowering pattern, one size
+    if one:
         monkeypatch.setattr(tnspec.planning.calibration, "chooser",
-                            lambda *a, **k: lambda step: "conv1x1")
+                            lambda *a, k=kind, **kw: lambda step: "conv1x1" if "1x1" in k
+                            else "einsum")
     model = _zoo_model(tmp_path, monkeypatch, kind.split()[0],
-                       ("tucker2", "htk2") if "1x1" in kind else
+                       ("tucker2", "htk2") if one else
                        ("cp", "tr") if kind == "inline" else ("tucker2", "htk2", "odd"))
     if kind == "generated":  # the patterns above are all there (built-in cost model)
         assert "torch.bmm(U_e, x_r)" in generate(ZOO)
@@ -195,7 +198,7 @@ def test_default_torch_compile_of_every_lowering_pattern_across_sizes(tmp_path, 
         # a second size is compiled with dynamic shapes; a third one compiled again (the
         # backward's stride guards pin the spatial sizes), so it added time, not coverage.
         # The 1x1 kinds check one lowering pattern: one size (the others cover dynamic shapes)
-        for shape in ((2, 8, 16, 16),) + (() if "1x1" in kind else ((5, 8, 9, 7),)):
+        for shape in ((2, 8, 16, 16),) + (() if one else ((5, 8, 9, 7),)):
             x = torch.randn(shape)
             if last:
                 x = x.contiguous(memory_format=torch.channels_last)
@@ -215,6 +218,10 @@ def test_default_torch_compile_of_every_lowering_pattern_across_sizes(tmp_path, 
         eager = "".join(tnspec.emit.runtime.source_of(m._last_class.forward) for m in model[::2])
         assert ("F.conv1d" in traced) is not last and "1x1 conv" in traced
         assert "F.conv1d" not in eager and "1x1 conv" in eager
+    if "mm" in kind:
+        traced = "".join(tnspec.emit.runtime.source_of(m._traced_class.forward)
+                         for m in model[::2])
+        assert "torch.mm(" in traced
 
 
 def test_a_network_of_inline_layers_compiles_to_one_graph_at_every_size():
