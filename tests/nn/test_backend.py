@@ -32,30 +32,16 @@ def test_zoo_matches_dense_reference(fmt, dims, stride, pad, dilation):
 TWO_D = [c for c in CASES if c[1] == 2]
 
 
+@pytest.mark.parametrize("op", ["conv1x1", "einsum"])
 @pytest.mark.parametrize("fmt, dims, stride, pad, dilation", TWO_D,
                          ids=["-".join(map(str, c)) for c in TWO_D])
-def test_zoo_channel_mixing_as_1x1_convs_in_both_layouts(fmt, dims, stride, pad, dilation,
-                                                         monkeypatch):
-    """At the zoo's sizes the cost model mixes channels by einsum; forced to 1x1 convs, a
-    contiguous input runs them 1-D over the flattened axes, a channels-last one 2-D."""
+def test_zoo_channel_mixing_forced_to_each_op_in_both_layouts(fmt, dims, stride, pad, dilation,
+                                                              op, monkeypatch):
+    """Channel mixing forced to 1x1 convs (1-D over the flattened axes of a contiguous input,
+    2-D over a channels-last one) or to products (a 1x1 core's conv too: a batched matmul of
+    a view of contiguous data, a matmul of the matrix channels-last data is stored as)."""
     monkeypatch.setattr(tnspec.planning.calibration, "chooser",
-                        lambda *a, **k: lambda step: "conv1x1")
-    text, sizes, shape = spec(fmt, dims, stride, pad, dilation)
-    torch.manual_seed(0)
-    module = tnspec.layer(text, dtype=torch.float64, **sizes)
-    x = torch.randn(2, *shape)
-    compare(module, x)
-    compare(module, x.contiguous(memory_format=torch.channels_last))
-
-
-@pytest.mark.parametrize("fmt, dims, stride, pad, dilation", TWO_D,
-                         ids=["-".join(map(str, c)) for c in TWO_D])
-def test_zoo_channel_mixing_as_products_in_both_layouts(fmt, dims, stride, pad, dilation,
-                                                        monkeypatch):
-    """Forced to products (a 1x1 core's conv too), channels-last data is mixed by a matmul of
-    the matrix it is stored as, contiguous data by a batched matmul of its view."""
-    monkeypatch.setattr(tnspec.planning.calibration, "chooser",
-                        lambda *a, **k: lambda step: "einsum")
+                        lambda *a, **k: lambda step: op)
     text, sizes, shape = spec(fmt, dims, stride, pad, dilation)
     torch.manual_seed(0)
     module = tnspec.layer(text, dtype=torch.float64, **sizes)
