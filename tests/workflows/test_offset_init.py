@@ -291,7 +291,42 @@ def test_a_one_bond_adapter_less_its_copy_trains_as_one_network_of_twice_the_bon
     with torch.no_grad():  # away from init: the two differ
         for p in adapter.parameters():
             p.add_(0.3 * torch.randn_like(p))
+    _as_if_run_apart(model, torch.randn(shape, requires_grad=True))
+    assert "_doubled" in frozen.__dict__ and frozen.__dict__["_doubled"] is not None
+    assert all(p is None for p in frozen.__dict__["_doubled"]._parameters.values())
+
+
+@pytest.mark.parametrize("fmt, base, shape", [
+    ("tr", lambda: nn.Linear(256, 256), (4, 16, 256)),
+    ("tt_lora", lambda: nn.Linear(256, 256), (64, 256)),
+])
+def test_a_chain_of_two_weights_less_its_copy_runs_once_at_twice_the_bond(fmt, base, shape):
+    """TR's and tt_lora's cores carry more than one bond, but their plan applies two weights
+    built of them, one linear after the other: while the adapter trains on data that needs a
+    gradient, it less its frozen copy is one such chain at twice the bond between the two
+    (the generated _reused stacks them, the copy's second negated). The output and every
+    gradient are the two layers' run apart (to float rounding); at init it is the base's."""
+    torch.manual_seed(0)
+    model = _adapt(nn.Sequential(base()), fmt, 0.1)
+    adapted = model[0]
+    adapter, frozen = adapted.adapters["default"], adapted.offsets["default"]
     x = torch.randn(shape, requires_grad=True)
+    flat = x.reshape(-1, shape[-1])  # at these sizes the plan is such a chain
+    assert adapter._running(flat).chain and not adapter._running(flat).alone
+    torch.testing.assert_close(model(x), adapted.base(x), rtol=0, atol=1e-6)
+    with torch.no_grad():  # away from init: the two differ
+        for p in adapter.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    _as_if_run_apart(model, x)
+    assert "_minus" not in adapter.__dict__  # taken out: the chain did the subtraction
+    assert frozen.__dict__.get("_doubled") is None  # more than one bond: no doubled network
+
+
+def _as_if_run_apart(model: nn.Module, x: torch.Tensor) -> None:
+    """A step of the one adapted layer of ``model`` gives the output and the gradients (of the
+    data and of every core) that its adapter and frozen copy run apart give."""
+    adapted = model[0]
+    adapter, frozen = adapted.adapters["default"], adapted.offsets["default"]
     y = model(x)
     g = torch.randn_like(y)
     y.backward(g)
@@ -304,8 +339,6 @@ def test_a_one_bond_adapter_less_its_copy_trains_as_one_network_of_twice_the_bon
     torch.testing.assert_close(y, want_y, rtol=1e-5, atol=1e-6)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
-    assert "_doubled" in frozen.__dict__ and frozen.__dict__["_doubled"] is not None
-    assert all(p is None for p in frozen.__dict__["_doubled"]._parameters.values())
 
 
 def test_without_a_gradient_to_the_data_the_copy_runs_and_is_exact_at_init():

@@ -32,7 +32,7 @@ from . import safe
 from .lines import INDENT, WIDTH, comment, spec_lines, wrap_assign, wrap_call, wrap_line
 from .lower import from_cores
 from .statements import attr, statement
-from .weights import REUSED, alone, built_from_cores
+from .weights import REUSED, alone, built_from_cores, chain
 
 _MODULE_NAMES = frozenset({"F", "nn", "torch"})  # the generated module's imports
 
@@ -249,7 +249,8 @@ class _Class:
                           f"{i2}else:  # kept by a frozen layer: see _reused",
                           *wrap_line(f"{i2}{INDENT}{names} = _reused(self, "
                                      f"{class_name(self.net)}._weights"
-                                     + (", alone=True)" if alone(p, (built, kept)) else ")"))]
+                                     + (", alone=True)" if alone(p, (built, kept)) else
+                                        ", chain=True)" if chain(p, (built, kept)) else ")"))]
             if node not in built:
                 lines += statement(node, i2)
         if p.unbatched:

@@ -61,6 +61,8 @@ def layer_class(network: Network, plan: Plan | None, channels_last: bool = False
     cls.lowered = (network, plan, convert, compiled)
     # the data meets the cores through one weight (see weights.alone)
     cls.alone = program is not None and weights.alone(program)
+    # or through a chain of two (see weights.chain)
+    cls.chain = program is not None and not cls.alone and weights.chain(program)
     return cls
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..program import Call, Node, Param, Program, reads
+from ..program import Call, Node, Param, Program, Var, reads
 
 #: printed once into a module whose forwards build weights from cores. A layer with
 #: ``keep_built`` set (a frozen copy of an adapter) builds them once while no core needs a
@@ -20,18 +20,27 @@ from ..program import Call, Node, Param, Program, reads
 #: through ``.data`` bumps no counter, hence off by default. ``_minus`` (a frozen layer of the
 #: same code, set for one call by ``tnspec``'s adapters) asks for ``layer(x) - _minus(x)``:
 #: where the data meets the cores through one weight (``alone``), that is one contraction
-#: with the difference of the two weights; ``_minus`` is taken out to say it was done, and
-#: left where it was not.
-REUSED = '''def _reused(layer: nn.Module, build, alone: bool = False) -> tuple[torch.Tensor, ...]:
+#: with the difference of the two weights; where it meets them through a chain of two
+#: (``chain``), one chain at twice the bond between them; ``_minus`` is taken out to say it
+#: was done, and left where it was not.
+REUSED = '''def _reused(layer: nn.Module, build, alone: bool = False,
+            chain: bool = False) -> tuple[torch.Tensor, ...]:
     """build(layer): the weights forward builds from the cores alone, built once and reused
     where the layer asks (keep_built) while no core needs a gradient and none changed.
     alone: forward reads the cores through the one weight build returns, and nothing else;
     then a layer given _minus for one call (a frozen copy of it, by tnspec's adapters) gets
-    the difference of the two weights: forward computes layer(x) - _minus(x) in one go."""
+    the difference of the two weights: forward computes layer(x) - _minus(x) in one go.
+    chain: forward applies the two weights build returns one after the other (a linear or
+    conv of the data by the first, of its result by the second); then _minus gets them at
+    twice the bond between: the first two stacked along their outputs, the second two along
+    their inputs, the copy's negated, which computes layer(x) - _minus(x) in one go."""
     if torch.compiler.is_compiling():
         return build(layer)
-    if alone and layer.bias is None and "_minus" in layer.__dict__:
-        return (build(layer)[0] - _reused(layer.__dict__.pop("_minus"), build)[0],)
+    if (alone or chain) and layer.bias is None and "_minus" in layer.__dict__:
+        mine, theirs = build(layer), _reused(layer.__dict__.pop("_minus"), build)
+        if alone:
+            return (mine[0] - theirs[0],)
+        return (torch.cat((mine[0], theirs[0])), torch.cat((mine[1], theirs[1].neg()), 1))
     if not getattr(layer, "keep_built", False) or hasattr(layer, "parametrizations"):
         return build(layer)
     cores = tuple(layer.parameters())
@@ -69,6 +78,36 @@ def reads_cores(node: Node) -> bool:
         return isinstance(arg, Param) and arg.name != "bias" or \
             isinstance(arg, (tuple, list)) and any(map(visit, arg))
     return isinstance(node, Call) and (visit(node.args) or visit([v for _, v in node.kwargs]))
+
+
+#: ops whose weight, their second argument, holds its outputs first and its inputs second
+_CHAINED = {"F.linear", "F.conv1d", "F.conv2d", "F.conv3d"}
+
+
+def chain(program: Program, split: tuple[list[Call], tuple[str, ...]] | None = None) -> bool:
+    """Whether the data meets the cores through two weights built of them, and nothing else:
+    a linear or ungrouped conv of the data by the first, whose result the same by the second
+    alone reads (the bond between them its channels). The output is then the two weights'
+    chain, and the difference of two such layers one chain at twice the bond (see
+    ``_reused``). ``split``: what :func:`built_from_cores` gives, where it is at hand."""
+    built, kept = split or built_from_cores(program)
+    rest = [n for n in program.nodes if n not in built]
+    if len(kept) != 2 or any(reads_cores(n) for n in rest):
+        return False
+    uses = [n for n in rest if reads(n) & set(kept)]
+    if len(uses) != 2 or not all(_plain(n, first=k == 0) for k, n in enumerate(uses)):
+        return False
+    first, second = uses
+    return first.args[1] == Var(kept[0]) and \
+        second.args[:2] == (Var(first.out), Var(kept[1])) and \
+        [n for n in rest if first.out in reads(n)] == [second]
+
+
+def _plain(node: Node, first: bool) -> bool:
+    """An ungrouped linear or conv, without a bias if it is the first of a chain."""
+    kwargs = dict(node.kwargs) if isinstance(node, Call) else {}
+    return isinstance(node, Call) and node.fn in _CHAINED and len(node.args) > 1 and \
+        "groups" not in kwargs and not (first and "bias" in kwargs)
 
 
 def alone(program: Program, split: tuple[list[Call], tuple[str, ...]] | None = None) -> bool:

@@ -143,7 +143,9 @@ def less(layer: Layer, offset: Layer, x: torch.Tensor) -> torch.Tensor:
     trains on data that needs a gradient, a network whose cores all carry one bond and no
     other (low_rank, CP, a two-core TT) runs once at twice that bond, each core beside its
     copy along it, the copy's last core negated: the sum of the two networks, to float
-    rounding. Else both run. The layers run as ``Layer.forward`` (a linear one on the data
+    rounding; or, where the plan applies two weights built of the cores one after the other
+    (TR), one chain at twice the bond between them (``_reused``, asked by ``_minus``). Else
+    both run. The layers run as ``Layer.forward`` (a linear one on the data
     flattened to 2-D, once for all of them); an adapter with forward hooks of its own (a
     user's, FSDP's) runs as a module, with its copy apart, so that they fire as they did."""
     if torch.compiler.is_compiling() or layer._forward_hooks or layer._forward_pre_hooks:
@@ -158,12 +160,14 @@ def _less(layer: Layer, offset: Layer, x: torch.Tensor) -> torch.Tensor:
     cls = layer._running(x)  # the offset runs the same class (its code is the adapter's)
     if not cls.alone:
         # the sum pays where the copy would run backward too: the data needs a gradient
-        if torch.is_grad_enabled() and x.requires_grad and \
-                any(p.requires_grad for p in layer.parameters()):
+        summed = torch.is_grad_enabled() and x.requires_grad and \
+            any(p.requires_grad for p in layer.parameters())
+        if summed:
             doubled = _doubled(layer, offset)
             if doubled is not None:
                 return _sum_of(layer, offset, doubled, x)
-        return cls.forward(layer, x) - cls.forward(offset, x)
+        if not (summed and cls.chain):
+            return cls.forward(layer, x) - cls.forward(offset, x)
     layer.__dict__["_minus"] = offset
     try:
         a = cls.forward(layer, x)
