@@ -271,15 +271,18 @@ def test_time_mixing_times_the_forward_alone_where_asked():
     assert set(seconds) == {"conv1x1", "einsum"} and all(t > 0 for t in seconds.values())
 
 
-def test_time_mixing_times_channels_last_data_as_lowering_mixes_it():
-    """On channels-last data the einsum is timed as the lowering emits it (a matmul of the
-    matrix the data is stored as), and that computes the 1x1 conv."""
-    x = torch.randn(2, 6, 5, 4, dtype=torch.float64).contiguous(
-        memory_format=torch.channels_last)
+def test_time_mixing_times_the_product_as_lowering_emits_it():
+    """The einsum is timed as the lowering emits it, views included: over contiguous data a
+    batched matmul of its (b, c, positions) view, over channels-last data a matmul of the
+    matrix it is stored as; each computes the 1x1 conv, in the layout it came in."""
+    x = torch.randn(2, 6, 5, 4, dtype=torch.float64)
     w = torch.randn(3, 6, dtype=torch.float64)
-    y = measure._mixed_last(x, w)
-    torch.testing.assert_close(y, F.conv2d(x, w[:, :, None, None]))
-    assert y.is_contiguous(memory_format=torch.channels_last)
+    last = x.contiguous(memory_format=torch.channels_last)
+    for mixed, data in ((measure._mixed, x), (measure._mixed_last, last)):
+        y = mixed(data, w)
+        torch.testing.assert_close(y, F.conv2d(x, w[:, :, None, None]))
+        assert y.is_contiguous(memory_format=torch.channels_last if data is last else
+                               torch.contiguous_format)
     for groups in (1, 2):
         seconds = measure.time_mixing(Mixing(2, groups, 3, 4, (5, 5)), "cpu", torch.float64,
                                       repeats=1, channels_last=True)
