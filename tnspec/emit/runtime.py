@@ -59,10 +59,10 @@ def layer_class(network: Network, plan: Plan | None, channels_last: bool = False
     source = codegen.generate([layer])
     cls = load_class(source, codegen.class_name(network))
     cls.lowered = (network, plan, convert, compiled)
-    # the data meets the cores through one weight (see weights.alone)
-    cls.alone = program is not None and weights.alone(program)
-    # or through a chain of two (see weights.chain)
-    cls.chain = program is not None and not cls.alone and weights.chain(program)
+    # the data meets the cores through one weight, or through a chain of two (see weights)
+    split = None if program is None else weights.built_from_cores(program)
+    cls.alone = program is not None and weights.alone(program, split)
+    cls.chain = program is not None and not cls.alone and weights.chain(program, split)
     return cls
 
 

@@ -159,16 +159,16 @@ def time_mixing(step: Mixing, device: torch.device | str, dtype: torch.dtype,
         data = bench.rand(b, g * cin, *spatial)
         if last:
             data = data.detach().contiguous(memory_format=torch.channels_last).requires_grad_()
+        if g == 1:  # lowering runs the einsum as a matmul over views of the data
+            product = (_mixed_last if last else _mixed), data, bench.rand(cout, cin)
+        elif last:
+            product = (lambda x, w: torch.einsum("bgchw,gco->bgohw", x.view(
+                b, g, cin, *spatial), w)), data, bench.rand(g, cin, cout)
+        else:
+            product = (lambda x, w: torch.einsum("bgcs,gco->bgos", x, w)), \
+                data.detach().reshape(b, g, cin, -1).requires_grad_(), bench.rand(g, cin, cout)
         cases = [(lambda x, w: conv(x, w, groups=g), data,
-                  bench.rand(g * cout, cin, *(1,) * len(spatial))),
-                 # without groups, lowering runs the einsum as a matmul over views of the data:
-                 # channels-last data as the (b h w, c) matrix it is stored as
-                 (_mixed_last, data, bench.rand(cout, cin)) if last and g == 1 else
-                 (lambda x, w: torch.einsum("bgchw,gco->bgohw", x.view(b, g, cin, *spatial),
-                                            w), data, bench.rand(g, cin, cout)) if last else
-                 (_mixed, data, bench.rand(cout, cin)) if g == 1 else
-                 (lambda x, w: torch.einsum("bgcs,gco->bgos", x, w),
-                  bench.rand(b, g, cin, math.prod(spatial)), bench.rand(g, cin, cout))]
+                  bench.rand(g * cout, cin, *(1,) * len(spatial))), product]
         runs = [bench.step(fn, *inputs, backward=backward) for fn, *inputs in cases]
         times = bench.rounds(runs, repeats)
     return {op: sorted(t)[len(t) // 2] for op, t in zip(("conv1x1", "einsum"), times)}

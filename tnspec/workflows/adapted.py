@@ -158,16 +158,15 @@ def less(layer: Layer, offset: Layer, x: torch.Tensor) -> torch.Tensor:
 
 def _less(layer: Layer, offset: Layer, x: torch.Tensor) -> torch.Tensor:
     cls = layer._running(x)  # the offset runs the same class (its code is the adapter's)
-    if not cls.alone:
-        # the sum pays where the copy would run backward too: the data needs a gradient
-        summed = torch.is_grad_enabled() and x.requires_grad and \
-            any(p.requires_grad for p in layer.parameters())
-        if summed:
-            doubled = _doubled(layer, offset)
-            if doubled is not None:
-                return _sum_of(layer, offset, doubled, x)
-        if not (summed and cls.chain):
-            return cls.forward(layer, x) - cls.forward(offset, x)
+    # the sum pays where the copy would run backward too: the data needs a gradient
+    summed = not cls.alone and torch.is_grad_enabled() and x.requires_grad and \
+        any(p.requires_grad for p in layer.parameters())
+    if summed:
+        doubled = _doubled(layer, offset)
+        if doubled is not None:
+            return _sum_of(layer, offset, doubled, x)
+    if not (cls.alone or summed and cls.chain):
+        return cls.forward(layer, x) - cls.forward(offset, x)
     layer.__dict__["_minus"] = offset
     try:
         a = cls.forward(layer, x)
