@@ -404,15 +404,19 @@ def test_an_adapter_with_hooks_of_its_own_runs_as_a_module():
     assert "_doubled" not in model[0].offsets["default"].__dict__
 
 
-@pytest.mark.parametrize("fmt", ["low_rank", "tt"])  # the doubled network; one weight's difference
-def test_a_step_that_raises_leaves_the_model_and_its_adapter_as_they_were(fmt, monkeypatch):
+# the doubled network; one weight's difference; a chain of two at twice the bond
+@pytest.mark.parametrize("fmt, width, rank", [("low_rank", 64, 0.2), ("tt", 64, 0.2),
+                                              ("tr", 256, 0.1)])
+def test_a_step_that_raises_leaves_the_model_and_its_adapter_as_they_were(fmt, width, rank,
+                                                                          monkeypatch):
     """A failure inside the adapter's contraction, after the adapter was asked for its
-    difference (TT) or the doubled network got its cores (low_rank): the model is as it was
-    (values, requires_grad, structure, ties, adapters), the adapter holds no ``_minus`` and
-    the doubled network no step's tensors, and the next step runs."""
+    difference (TT), for its chain at twice the bond (TR) or the doubled network got its
+    cores (low_rank): the model is as it was (values, requires_grad, structure, ties,
+    adapters), the adapter holds no ``_minus`` and the doubled network no step's tensors,
+    and the next step runs."""
     torch.manual_seed(0)
-    model = _adapt(nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64)), fmt, 0.2)
-    x = torch.randn(2, 128, 64, requires_grad=True)
+    model = _adapt(nn.Sequential(nn.Linear(width, width), nn.Linear(width, width)), fmt, rank)
+    x = torch.randn(2, 128, width, requires_grad=True)
     model(x).sum().backward()  # planned: the failing call below takes the hot path
     model.zero_grad(set_to_none=True)
     before = snapshot(model)
@@ -434,5 +438,6 @@ def test_a_step_that_raises_leaves_the_model_and_its_adapter_as_they_were(fmt, m
         doubled = adapted.offsets["default"].__dict__.get("_doubled")
         assert doubled is None or all(p is None for p in doubled._parameters.values())
     assert (fmt == "low_rank") == (model[0].offsets["default"].__dict__.get("_doubled") is not None)
-    assert (fmt == "tt") == model[0].adapters["default"]._running(x.reshape(-1, 64)).alone
+    running = model[0].adapters["default"]._running(x.reshape(-1, width))
+    assert (fmt == "tt") == running.alone and (fmt == "tr") == running.chain
     model(x).sum().backward()
