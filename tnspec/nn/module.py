@@ -169,7 +169,8 @@ class Layer(nn.Module):
         # autocast raises when asked about a device it does not know (meta, where large
         # models are built before their weights are loaded)
         known = first.device.type in AUTOCAST_DEVICES
-        lower = autocast_dtype(first.device.type) if first.dtype == torch.float32 and known else None
+        lower = autocast_dtype(first.device.type) if first.dtype == torch.float32 and known \
+            else None
         return first.device, lower or first.dtype
 
     def _itemsize(self) -> int:
