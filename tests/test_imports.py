@@ -258,7 +258,9 @@ def test_stages_import_only_what_they_need():
     # conversion: what a model feeds its layers is observed without knowing a format
     assert graph["workflows.convert.observe"] <= {"errors", "fit.moments",
                                                   "workflows.dense_layers",
-                                                  "workflows.feeding"}
+                                                  "workflows.feeding",
+                                                  "workflows.convert.replay"}
+    assert graph["workflows.convert.replay"] == set()  # torch alone: knows no tnspec
     assert graph["workflows.convert.activations"] <= {"workflows.dense_layers"}
     assert "__init__" not in set().union(*(d for m, d in graph.items() if m != "__main__"))
 

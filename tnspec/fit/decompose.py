@@ -225,6 +225,11 @@ def refit(net: Network, weight: Tensor, cores: Mapping[str, Tensor], metric: Ten
     params = {n: c.detach().to(w).clone().requires_grad_(True) for n, c in cores.items()}
     if total == 0:
         return {n: p.detach().double() for n, p in params.items()}
+    # the loss is tr(d M d^T) for M = L L^T + ridge I: with M built once, an evaluation takes
+    # one product by it and hands its gradient 2 d M to autograd, where autograd through d L
+    # took two (forward and back); kept where L is much thinner than M (fewer samples)
+    gram = m @ m.mT + ridge * torch.eye(per, dtype=w.dtype, device=w.device) \
+        if 2 * m.shape[2] >= per else None
     opt = torch.optim.LBFGS(list(params.values()), lr=1, max_iter=max_iter, history_size=20,
                             tolerance_grad=1e-12, tolerance_change=tol,
                             line_search_fn="strong_wolfe")
@@ -233,10 +238,16 @@ def refit(net: Network, weight: Tensor, cores: Mapping[str, Tensor], metric: Ten
         opt.zero_grad()
         if now() > deadline:  # L-BFGS stops on a zero gradient
             return torch.zeros((), dtype=w.dtype, requires_grad=True)
-        d = dense_weight(net, params).reshape(w.shape) - w
-        loss = ((d @ m).square().sum() + ridge * d.square().sum()) / total
-        loss.backward()
-        return loss
+        built = dense_weight(net, params).reshape(w.shape)
+        if gram is None:
+            d = built - w
+            loss = ((d @ m).square().sum() + ridge * d.square().sum()) / total
+            loss.backward()
+            return loss
+        d = built.detach() - w
+        dm = d @ gram
+        built.backward(dm * (2 / total))
+        return (d * dm).sum() / total
     with torch.enable_grad():
         opt.step(closure)
     return {n: p.detach().double() for n, p in params.items()}

@@ -15,6 +15,7 @@ from ...errors import SpecError
 from ...fit import moments
 from ..dense_layers import is_linear
 from ..feeding import Runner, call, evaluated
+from . import replay
 
 def batches(data: Any, max_batches: int, run: Runner | None = None) -> list[Any]:
     """At most ``max_batches`` batches of ``data`` (a tensor is one batch), each checked to be
@@ -111,16 +112,24 @@ def sensitivities(model: nn.Module, layers: list[tuple[str, nn.Module]], data: l
     noise of ``noise`` times the output's rms (own generator), the norms summed over the first
     ``max_batches`` batches (``called`` as for :func:`inputs`). ``left()``: the seconds left;
     once it is 0 no further batch is taken (the first always is) and the layers not reached
-    are left out."""
+    are left out. The blocks that return before a layer is first called are not run again
+    for it: they hand back what they returned in the unperturbed run (``replay``), which is
+    what they would compute."""
     sample: list[Any] = []
     references: list[torch.Tensor] = []
+    recorded: list[replay.Recording] = []
     moved = {name: 0.0 for name, _ in layers}
+    reached = {name: (called or {}).get(name, module) for name, module in layers}
     with evaluated(model):
         for x in data[:max_batches]:
             if sample and left is not None and left() <= 0:
                 break
             sample.append(x)
-            references.append(flat(call(model, x, run)))
+            used = sum(r.bytes for r in recorded)
+            with replay.recording(model, reached, replay.MAX_BYTES - used) as rec:
+                references.append(flat(call(model, x, run)))
+            rec.prune(list(reached))
+            recorded.append(rec)
         size = sum(float(r.pow(2).sum()) for r in references)
         for name, module in layers:
             if left is not None and left() <= 0:
@@ -133,8 +142,10 @@ def sensitivities(model: nn.Module, layers: list[tuple[str, nn.Module]], data: l
                 return y + noise * rms * torch.randn(y.shape, generator=gen).to(y)
             handle = (called or {}).get(name, module).register_forward_hook(perturb)
             try:
-                for x, reference in zip(sample, references):
-                    moved[name] += float((flat(call(model, x, run)) - reference).pow(2).sum())
+                for x, reference, rec in zip(sample, references, recorded):
+                    with replay.replaying(rec.before(name)):  # what ran before it, as it ran
+                        y = flat(call(model, x, run))
+                    moved[name] += float((y - reference).pow(2).sum())
             finally:
                 handle.remove()
     return {name: (m / (size + 1e-60)) ** 0.5 / noise for name, m in moved.items()}
