@@ -170,3 +170,28 @@ def measured_without_replay(model: nn.Module, layers: list, data: list) -> dict:
         return observe.sensitivities(model, layers, data)
     finally:
         replay.MAX_BYTES = before
+
+
+class Aliasing(nn.Module):
+    """``out + h`` where an in-place ReLU after an identity wrote through to ``h``: replaying
+    the identity with a copy would leave ``h`` as it was."""
+
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+        self.seq = nn.Sequential(nn.Dropout(0.5), nn.ReLU(inplace=True), nn.Linear(width, width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        return self.seq(h) + h
+
+
+def test_a_block_that_returns_its_input_is_run_so_in_place_ops_write_through_as_before():
+    torch.manual_seed(0)
+    model = Aliasing().eval()  # Dropout returns its input
+    data = [torch.randn(5, 8) for _ in range(2)]
+    with torch.no_grad(), replay.recording(model, dict(layers_of(model))) as rec:
+        model(data[0])
+    names = dict((id(m), n) for n, m in model.named_modules())
+    assert {names[k] for k, c in rec.calls.items() if c.replayable} == {"seq.2"}
+    assert measured(model, data) == measured(model, data, budget=0)

@@ -11,9 +11,11 @@ gives, to the bit.
 
 A block is replayed only where that holds whatever it does inside: it ran once in the
 forward, took and returned only tensors and plain values (a cache object it might fill is
-not replayed), and left its inputs and buffers as they were (an in-place ReLU is not
-replayed). Recorded outputs are copies, handed out as copies, at most :data:`MAX_BYTES` in
-all."""
+not replayed), left its inputs and buffers as they were (an in-place ReLU is not
+replayed), and returned no tensor that is, or views, one of its inputs, parameters or buffers
+(an identity in eval mode, a reshape: an in-place op on it later writes through to what it
+views, which a copy would not). Recorded outputs are copies, handed out as copies, at most
+:data:`MAX_BYTES` in all."""
 
 from __future__ import annotations
 
@@ -129,8 +131,10 @@ def recording(model: nn.Module, layers: dict[str, nn.Module], budget: int = MAX_
         leaves = torch.utils._pytree.tree_leaves((args, kwargs))
         outputs = torch.utils._pytree.tree_leaves(output)
         if before is None or before != _versions(module, leaves) \
-                or not all(isinstance(x, (torch.Tensor, *_PLAIN)) for x in outputs):
-            return
+                or not all(isinstance(x, (torch.Tensor, *_PLAIN)) for x in outputs) \
+                or _storages(outputs) & _storages([*leaves, *module.parameters(),
+                                                   *module.buffers()]):
+            return  # an output that is its input (or a view of it) is not a copy to hand out
         size = sum(x.numel() * x.element_size() for x in outputs if isinstance(x, torch.Tensor))
         if rec.bytes + size > budget:
             return
@@ -189,6 +193,10 @@ def _versions(module: nn.Module, leaves: list[Any]) -> list[int]:
     in-place change to any of them bumps its counter."""
     return [x._version for x in leaves if isinstance(x, torch.Tensor)] + \
         [b._version for b in module.buffers()]
+
+
+def _storages(leaves: list[Any]) -> set[int]:
+    return {x.untyped_storage().data_ptr() for x in leaves if isinstance(x, torch.Tensor)}
 
 
 def _size(output: Any) -> int:
