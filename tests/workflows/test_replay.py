@@ -195,3 +195,18 @@ def test_a_block_that_returns_its_input_is_run_so_in_place_ops_write_through_as_
     names = dict((id(m), n) for n, m in model.named_modules())
     assert {names[k] for k, c in rec.calls.items() if c.replayable} == {"seq.2"}
     assert measured(model, data) == measured(model, data, budget=0)
+
+
+def test_a_block_with_a_forward_hook_is_run_so_the_hook_changes_its_output_once():
+    torch.manual_seed(0)
+    model = Net().eval()
+    data = [torch.randn(5, 8) for _ in range(2)]
+    handle = model.blocks[0].register_forward_hook(lambda m, args, out: out * 2)
+    try:
+        with torch.no_grad(), replay.recording(model, dict(layers_of(model))) as rec:
+            model(data[0])
+        assert not rec.calls[id(model.blocks[0])].replayable
+        assert rec.calls[id(model.blocks[1])].replayable
+        assert measured(model, data) == measured(model, data, budget=0)
+    finally:
+        handle.remove()

@@ -12,9 +12,10 @@ gives, to the bit.
 A block is replayed only where that holds whatever it does inside: it ran once in the
 forward, took and returned only tensors and plain values (a cache object it might fill is
 not replayed), left its inputs and buffers as they were (an in-place ReLU is not
-replayed), and returned no tensor that is, or views, one of its inputs, parameters or buffers
+replayed), returned no tensor that is, or views, one of its inputs, parameters or buffers
 (an identity in eval mode, a reshape: an in-place op on it later writes through to what it
-views, which a copy would not). Recorded outputs are copies, handed out as copies, at most
+views, which a copy would not), and has no forward hook (it would run again on the replayed
+output). Recorded outputs are copies, handed out as copies, at most
 :data:`MAX_BYTES` in all."""
 
 from __future__ import annotations
@@ -124,6 +125,8 @@ def recording(model: nn.Module, layers: dict[str, nn.Module], budget: int = MAX_
         call = stack.pop()
         call.leave = tick[0]
         before = versions.pop(id(module), None)
+        if id(module) in hooked:
+            return
         if call.calls > 1:
             rec.bytes -= _size(call.output) if call.replayable else 0
             call.output, call.replayable = None, False
@@ -147,9 +150,13 @@ def recording(model: nn.Module, layers: dict[str, nn.Module], budget: int = MAX_
             rec.entered.setdefault(name, tick[0])
         return hook
 
+    # a forward hook would run again on the replayed output (twice, where it changes it)
+    found = blocks(model)
+    hooked = {id(m) for m in found if m._forward_hooks} if \
+        not nn.modules.module._global_forward_hooks else {id(m) for m in found}
     handles = []
     try:
-        for m in blocks(model):
+        for m in found:
             handles.append(m.register_forward_pre_hook(enter, with_kwargs=True))
             handles.append(m.register_forward_hook(leave, with_kwargs=True))
         for name, m in layers.items():
