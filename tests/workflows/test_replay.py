@@ -110,6 +110,10 @@ def test_a_block_that_writes_its_input_takes_a_list_or_runs_twice_is_not_replaye
     assert last == {"blocks.0", "blocks.1", "blocks.2", "tail.1", "tail.2"}
     # shared is not a block; the first layer has nothing before it
     assert rec.before("shared") == [] and rec.before("blocks.0.inner.0") == []
+    # inside a replayable block only what a layer entered later inside it replays is kept
+    kept = {names[k] for k, c in rec.calls.items() if c.output is not None}
+    assert "blocks.0.inner.0" in kept and "blocks.0.inner.2" not in kept
+    assert rec.bytes == sum(replay._size(c.output) for c in rec.calls.values())
 
 
 def test_the_replay_keeps_no_more_than_its_budget_and_still_measures_alike():

@@ -143,6 +143,13 @@ def recording(model: nn.Module, layers: dict[str, nn.Module], budget: int = MAX_
             return
         rec.bytes += size
         call.output, call.replayable = _copied(output), True
+        # what ran inside it is replayed only for a layer first entered inside it after it
+        inside = [t for t in rec.entered.values() if call.enter < t]
+        for c in rec.calls.values():
+            if c.replayable and c is not call and call.enter < c.enter \
+                    and not any(c.leave < t for t in inside):
+                rec.bytes -= _size(c.output)
+                c.output, c.replayable = None, False
 
     def first(name: str) -> Any:
         def hook(_: nn.Module, args: tuple) -> None:
