@@ -7,7 +7,10 @@ import pytest
 import torch
 from torch import nn
 
+import tnspec
 from tnspec.workflows.convert import observe, replay
+
+from ..model_state import snapshot, unchanged
 
 
 class Residual(nn.Module):
@@ -127,18 +130,27 @@ def test_the_replay_keeps_no_more_than_its_budget_and_still_measures_alike():
     assert measured(model, data, budget=one_block) == measured(model, data, budget=0)
 
 
-def test_the_replay_leaves_the_model_as_it_was_when_a_run_raises():
+def test_compress_that_raises_inside_a_replayed_run_leaves_the_model_as_it_was():
+    """Values, requires_grad, structure, ties hashed around the failing call; no block left
+    answering from the recording, no hook left."""
     torch.manual_seed(0)
-    model = Net()
-    data = [torch.randn(5, 8)]
+    model = nn.Sequential(nn.Sequential(nn.Linear(8, 8), nn.ReLU()),
+                          nn.Sequential(nn.Linear(8, 8), nn.ReLU()), nn.Linear(8, 8))
+    model[2].weight = model[0][0].weight  # tied
+    model[1][0].bias.requires_grad_(False)
+    before = snapshot(model)
+    seen: list[bool] = []
 
-    def fails(_, args, out):
-        raise RuntimeError("stop")
-    layers = layers_of(model)
-    handle = model.tail[3].register_forward_hook(fails)
+    def fails(module, args):  # 2 input-recording runs, 2 references, then the layer's 2
+        seen.append("forward" in model[0].__dict__)  # (the tied ones are left alone)
+        if len(seen) == 5:  # block 1's linear's first run: block 0 is replayed
+            raise RuntimeError("stop")
+    handle = model[2].register_forward_pre_hook(fails)
     with pytest.raises(RuntimeError, match="stop"):
-        observe.sensitivities(model, layers, data)
+        tnspec.compress(model, 0.5, data=[torch.randn(5, 8) for _ in range(2)])
     handle.remove()
+    assert seen[-1] and not any(seen[:-1])  # it raised while block 0 replayed, and only then
+    assert unchanged(before, model)
     assert not any("forward" in m.__dict__ for m in model.modules())
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
 
