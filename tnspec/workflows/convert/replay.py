@@ -138,7 +138,7 @@ def recording(model: nn.Module, layers: dict[str, nn.Module], budget: int = MAX_
                 or _storages(outputs) & _storages([*leaves, *module.parameters(),
                                                    *module.buffers()]):
             return  # an output that is its input (or a view of it) is not a copy to hand out
-        size = sum(x.numel() * x.element_size() for x in outputs if isinstance(x, torch.Tensor))
+        size = _size(output)
         if rec.bytes + size > budget:
             return
         rec.bytes += size
