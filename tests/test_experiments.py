@@ -256,3 +256,19 @@ def test_the_drift_probe_shows_the_ring_running_away_unless_its_spectral_norms_a
     spectral = adapter_dynamics.drift("tr", 0.05, True, steps=30)
     lora = adapter_dynamics.drift("low_rank", 0.05, None, steps=30)
     assert built > 20 * lora and spectral < 5 * lora, (built, spectral, lora)
+
+
+def test_the_curve_table_finds_the_step_the_principal_start_reaches_the_zero_starts_final():
+    """minilm_adapters --curve: means over seeds, compared with the zero start's final mean;
+    a start that never reaches it says so."""
+    from experiments.models.minilm_adapters import curve_tables
+    curves = {("tt zero", 1e-3): [[(25, 0.60), (50, 0.70), (75, 0.80)],
+                                  [(25, 0.62), (50, 0.72), (75, 0.78)]],   # final mean 0.79
+              ("tt principal", 1e-3): [[(25, 0.70), (50, 0.80), (75, 0.82)],
+                                       [(25, 0.74), (50, 0.77), (75, 0.84)]],  # 0.785 at 50
+              ("tr zero", 1e-3): [[(25, 0.6), (50, 0.7), (75, 0.8)]] * 2,
+              ("tr principal", 1e-3): [[(25, 0.6), (50, 0.7), (75, 0.79)]] * 2}
+    text = curve_tables(curves, (1e-3,))
+    assert "| tt principal | 0.720 | 0.785 | 0.830 |" in text
+    assert "| tt | 0.790 | 0.830 | 75 | 1.00 |" in text
+    assert "| tr | 0.800 | 0.790 | not reached |  |" in text

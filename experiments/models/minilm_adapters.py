@@ -19,6 +19,10 @@ same trainable parameters, on the same batches, one learning rate (AdamW 1e-3), 
     python -m experiments.models.minilm_adapters --seeds 3 --rates 1e-3 3e-3 \\
         --methods "tt default" "tr default" "tt_lora default" LoRA --share 0.006 \\
         --peft-r 8 --out minilm_adapters_half  # at a fifth of PEFT LoRA's default r=8
+    python -m experiments.models.minilm_adapters --seeds 3 --curve 25 --methods \\
+        "low_rank zero" "low_rank principal" "tucker2 zero" "tucker2 principal" \\
+        "tt zero" "tt principal" "tr zero" "tr principal" \\
+        --out minilm_adapters_curve   # how many steps the principal start needs
 """
 
 from __future__ import annotations
@@ -88,15 +92,28 @@ def matched_rank(base: Classifier, method: str, trainable: int) -> int:
     return best[0]
 
 
+def accuracy(model: nn.Module, test: list[dict], y_test: torch.Tensor) -> float:
+    """Held-out accuracy, the model in eval mode and back in training mode after."""
+    model.eval()
+    with torch.no_grad():
+        pred = torch.cat([model(**b).argmax(1) for b in test])
+    model.train()
+    return float((pred == y_test).float().mean())
+
+
 def run(model: nn.Module, batches: list[dict], test: list[dict], y_test: torch.Tensor,
-        lr: float = 1e-3) -> tuple[float, float, float]:
+        lr: float = 1e-3, curve: list[tuple[int, float]] | None = None, every: int = 0
+        ) -> tuple[float, float, float]:
     """Train on ``batches``; ``(test accuracy, final training loss, ms per step)``; a loss
-    that is not finite ends the training (the final loss reads nan)."""
+    that is not finite ends the training (the final loss reads nan). With ``every``, the
+    held-out accuracy after every that many steps goes into ``curve`` as ``(step, accuracy)``
+    (outside the timed steps)."""
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
     model.train()
     losses = []
-    start = time.perf_counter()
-    for batch in batches:
+    spent = 0.0
+    for step, batch in enumerate(batches, 1):
+        start = time.perf_counter()
         labels = batch.pop("labels")
         loss = nn.functional.cross_entropy(model(**batch), labels)
         batch["labels"] = labels
@@ -107,12 +124,14 @@ def run(model: nn.Module, batches: list[dict], test: list[dict], y_test: torch.T
         loss.backward()
         opt.step()
         losses.append(loss.item())
-    per_step = (time.perf_counter() - start) / len(batches)
+        spent += time.perf_counter() - start
+        if every and curve is not None and step % every == 0 and step < len(batches):
+            curve.append((step, accuracy(model, test, y_test)))
+    final = accuracy(model, test, y_test)
+    if curve is not None and every:
+        curve.append((len(batches), final))
     model.eval()
-    with torch.no_grad():
-        pred = torch.cat([model(**b).argmax(1) for b in test])
-    return float((pred == y_test).float().mean()), statistics.mean(losses[-20:]), \
-        1000 * per_step
+    return final, statistics.mean(losses[-20:]), 1000 * spent / len(batches)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -136,6 +155,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--peft-r", type=int, default=None,
                         help="PEFT's r (default: the r whose trainable parameters come "
                         "nearest the first tnspec method's)")
+    parser.add_argument("--curve", type=int, default=0,
+                        help="also the held-out accuracy every that many steps, and the step "
+                        "at which each principal start reaches its format's zero start's "
+                        "final accuracy (0: no curve)")
     args = parser.parse_args(argv)
     started = time.time()
     encoder, tokenizer = assets.minilm()
@@ -160,6 +183,8 @@ def main(argv: list[str] | None = None) -> int:
     pool = order[n_test:]
     results: dict[tuple[str, float], list[tuple[float, float, float, int]]] = {
         (m, lr): [] for m in methods for lr in rates}
+    curves: dict[tuple[str, float], list[list[tuple[int, float]]]] = {
+        key: [] for key in results}
     for seed in seeds:
         gen = torch.Generator().manual_seed(seed)
         batches = [tokens(pool[torch.randint(0, len(pool), (16,), generator=gen)])
@@ -184,8 +209,11 @@ def main(argv: list[str] | None = None) -> int:
                     r = args.peft_r or matched_rank(base, method, reference or 120_000)
                     model = peft_model(model, method, r)
                 trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-                acc, loss, ms = run(model, copy.deepcopy(batches), test, y_test, lr)
+                curve: list[tuple[int, float]] = []
+                acc, loss, ms = run(model, copy.deepcopy(batches), test, y_test, lr, curve,
+                                    args.curve)
                 results[(method, lr)].append((acc, loss, ms, trainable))
+                curves[(method, lr)].append(curve)
                 print(seed, method, lr, trainable, f"{acc:.3f}", f"{loss:.3f}",
                       f"{ms:.0f} ms", flush=True)
     rows = []
@@ -212,12 +240,48 @@ def main(argv: list[str] | None = None) -> int:
             + markdown_table(["method", *(["lr"] if len(rates) > 1 else []), "trainable",
                               "accuracy (mean)", "std", "per seed", "final train loss",
                               "ms per step"], rows))
+    if args.curve:
+        text += "\n\n" + curve_tables(curves, rates)
     print(text)
     if not args.smoke:  # a smoke run writes nothing
         name = args.out or ("minilm_adapters" if rates == (1e-3,) and not args.methods else
                             "minilm_adapters_rates")
         print(f"wrote {save(name, text, started)}")
     return 0
+
+
+def curve_tables(curves: dict[tuple[str, float], list[list[tuple[int, float]]]],
+                 rates: tuple[float, ...]) -> str:
+    """The held-out accuracy along training (mean over seeds) of every method, and for each
+    ``<format> principal`` run beside ``<format> zero`` at the same rate, the first step at
+    which its mean accuracy reaches the zero start's final mean accuracy."""
+    steps = [s for s, _ in next(iter(curves.values()))[0]]
+    mean = {key: [statistics.mean(run[k][1] for run in runs) for k in range(len(steps))]
+            for key, runs in curves.items() if runs and all(len(r) == len(steps) for r in runs)}
+    rows = [(method, *((f"{lr:g}",) if len(rates) > 1 else ()), *(f"{a:.3f}" for a in accs))
+            for (method, lr), accs in mean.items()]
+    text = ("Held-out accuracy along training, mean over seeds (the last column is the "
+            "table's):\n\n" + markdown_table(
+                ["method", *(["lr"] if len(rates) > 1 else []), *(f"step {s}" for s in steps)],
+                rows))
+    reached = []
+    for (method, lr), accs in mean.items():
+        fmt, *flags = method.split()
+        zero = mean.get((f"{fmt} zero", lr))
+        if flags != ["principal"] or zero is None:
+            continue
+        first = next((s for s, a in zip(steps, accs) if a >= zero[-1]), None)
+        reached.append((fmt, *((f"{lr:g}",) if len(rates) > 1 else ()), f"{zero[-1]:.3f}",
+                        f"{accs[-1]:.3f}", "not reached" if first is None else str(first),
+                        "" if first is None else f"{first / steps[-1]:.2f}"))
+    if reached:
+        text += ("\n\nThe step at which the principal start's mean accuracy first reaches the "
+                 "zero start's final one (checked every "
+                 f"{steps[0]} steps), and that step's share of the {steps[-1]}:\n\n"
+                 + markdown_table(["format", *(["lr"] if len(rates) > 1 else []),
+                                   "zero start, final", "principal, final", "principal "
+                                   "reaches it at step", "share of the steps"], reached))
+    return text
 
 
 if __name__ == "__main__":
