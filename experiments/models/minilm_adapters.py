@@ -236,7 +236,8 @@ def main(argv: list[str] | None = None) -> int:
             f"`adapt(init=...)`; tnspec's scale={args.scale:g}; default: `adapt` unasked "
             f"(its init and scale); tnspec's share of each layer {args.share:g}"
             + (f", PEFT's r={args.peft_r}" if args.peft_r else "")
-            + ". Final train loss: the mean of the last 20 steps; nan where a loss was not finite.\n\n"
+            + ". Final train loss: the mean of the last 20 steps; nan where a loss was not "
+            "finite.\n\n"
             + markdown_table(["method", *(["lr"] if len(rates) > 1 else []), "trainable",
                               "accuracy (mean)", "std", "per seed", "final train loss",
                               "ms per step"], rows))
