@@ -11,6 +11,9 @@ trained in full; test accuracy on 1,000 images).
         --methods "head only" "low_rank default" "cp default" "tucker2 default" \\
         "tt default" "PEFT LoRA" --out mobilenet_adapters_half
                     # tnspec's adapters at most half of PEFT LoRA's (the head aside), ~15 min
+    python -m experiments.models.mobilenet_adapters --seeds 3 --rank 1 \\
+        --methods "low_rank default" "low_rank zero" "PEFT LoRA" --out mobilenet_adapters_rank1
+                    # low_rank at rank 1 on all 34 convs: PEFT LoRA r=1's structure, ~15 min
 """
 
 from __future__ import annotations
@@ -39,6 +42,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--share", type=float, default=0.01,
                         help="tnspec's adapters and the head together, a share of the "
                         "network's parameters (0.01)")
+    parser.add_argument("--rank", type=int, default=None,
+                        help="tnspec's adapters at this integer rank on every 1x1 conv "
+                        "instead of a share of each (--share then applies to PEFT's only)")
     parser.add_argument("--peft-share", type=float, default=0.01,
                         help="the same for PEFT's LoRA (0.01)")
     args = parser.parse_args(argv)
@@ -62,7 +68,8 @@ def main(argv: list[str] | None = None) -> int:
                 fmt, *start = method.split() if method not in SPECIAL else (method,)
                 net, trainable = with_adapters(
                     fmt, args.peft_share if fmt == "PEFT LoRA" else args.share,
-                    None if not start or start[0] == "default" else start[0])
+                    None if not start or start[0] == "default" else start[0],
+                    None if fmt in SPECIAL else args.rank)
                 acc, _ = fine_tune(net, data, steps, seed=seed, lr=lr)
                 accs.append(acc)
                 print(method, lr, seed, f"{acc:.3f}", flush=True)
@@ -72,8 +79,9 @@ def main(argv: list[str] | None = None) -> int:
     text = ("# Adapters on MobileNetV2's 1x1 convs, Fashion-MNIST, three rates\n\n"
             f"ImageNet MobileNetV2, {n_train:,} training / {n_test:,} test images at "
             f"{size}x{size}; adapters on the 34 1x1 convs of the features, with the new head "
-            f"(trained in full) about {args.share:.2%} of the network's parameters (PEFT's "
-            f"LoRA {args.peft_share:.2%}); {steps} steps of 32, AdamW; test "
+            + (f"(trained in full); tnspec's at rank {args.rank} on every conv" if args.rank
+               else f"(trained in full) about {args.share:.2%} of the network's parameters")
+            + f" (PEFT's LoRA {args.peft_share:.2%}); {steps} steps of 32, AdamW; test "
             f"accuracy, mean over {len(seeds)} seed(s)"
             + (" (the lowest in brackets)" if len(seeds) > 1 else "") + ". default: `adapt` "
             "unasked (every core drawn, a frozen copy subtracted, `scale = min(1, 4 / n)`); "

@@ -168,12 +168,13 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def with_adapters(method: str, share: float, init: str | None = None
-                  ) -> tuple[nn.Module, int]:
+def with_adapters(method: str, share: float, init: str | None = None,
+                  rank: int | None = None) -> tuple[nn.Module, int]:
     """The network with a new head and ``method``'s adapters on its 1x1 convs (a tnspec
     format, with ``init`` or ``adapt``'s default; ``"PEFT LoRA"`` at the nearest rank; or
     ``"head only"``), the adapters and head together about ``share`` of the ImageNet network's
-    parameters; and its trainable parameters."""
+    parameters; and its trainable parameters. ``rank``: a tnspec format at that integer rank
+    on every 1x1 conv instead (``share`` then does not apply to it)."""
     net = with_head()
     total = sum(p.numel() for p in mobilenet.pretrained().parameters())
     dense = params_of(net)
@@ -191,7 +192,8 @@ def with_adapters(method: str, share: float, init: str | None = None
         net = peft.get_peft_model(net, peft.LoraConfig(
             r=r, lora_alpha=r, target_modules=names, modules_to_save=["classifier.1"]))
     else:
-        net, _ = tnspec.adapt(net, method, rank=(budget - head) / dense, include=pointwise,
+        net, _ = tnspec.adapt(net, method, rank=rank or (budget - head) / dense,
+                              include=pointwise,
                               modules_to_save=["classifier.1"],
                               **({} if init is None else {"init": init}))
     return net, sum(p.numel() for p in net.parameters() if p.requires_grad)
