@@ -102,16 +102,16 @@ def accuracy(model: nn.Module, test: list[dict], y_test: torch.Tensor) -> float:
 
 
 def run(model: nn.Module, batches: list[dict], test: list[dict], y_test: torch.Tensor,
-        lr: float = 1e-3, curve: list[tuple[int, float]] | None = None, every: int = 0
-        ) -> tuple[float, float, float]:
-    """Train on ``batches``; ``(test accuracy, final training loss, ms per step)``; a loss
-    that is not finite ends the training (the final loss reads nan). With ``every``, the
-    held-out accuracy after every that many steps goes into ``curve`` as ``(step, accuracy)``
-    (outside the timed steps)."""
+        lr: float = 1e-3, every: int = 0
+        ) -> tuple[float, float, float, list[tuple[int, float]]]:
+    """Train on ``batches``; ``(test accuracy, final training loss, ms per step, curve)``; a
+    loss that is not finite ends the training (the final loss reads nan). With ``every``, the
+    curve holds ``(step, held-out accuracy)`` after every that many steps and at the end
+    (measured outside the timed steps); else it is empty."""
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
     model.train()
     losses = []
-    spent = 0.0
+    spent, curve = 0.0, []
     for step, batch in enumerate(batches, 1):
         start = time.perf_counter()
         labels = batch.pop("labels")
@@ -125,13 +125,13 @@ def run(model: nn.Module, batches: list[dict], test: list[dict], y_test: torch.T
         opt.step()
         losses.append(loss.item())
         spent += time.perf_counter() - start
-        if every and curve is not None and step % every == 0 and step < len(batches):
+        if every and step % every == 0 and step < len(batches):
             curve.append((step, accuracy(model, test, y_test)))
     final = accuracy(model, test, y_test)
-    if curve is not None and every:
+    if every:
         curve.append((len(batches), final))
     model.eval()
-    return final, statistics.mean(losses[-20:]), 1000 * spent / len(batches)
+    return final, statistics.mean(losses[-20:]), 1000 * spent / len(batches), curve
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -209,9 +209,8 @@ def main(argv: list[str] | None = None) -> int:
                     r = args.peft_r or matched_rank(base, method, reference or 120_000)
                     model = peft_model(model, method, r)
                 trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-                curve: list[tuple[int, float]] = []
-                acc, loss, ms = run(model, copy.deepcopy(batches), test, y_test, lr, curve,
-                                    args.curve)
+                acc, loss, ms, curve = run(model, copy.deepcopy(batches), test, y_test, lr,
+                                           args.curve)
                 results[(method, lr)].append((acc, loss, ms, trainable))
                 curves[(method, lr)].append(curve)
                 print(seed, method, lr, trainable, f"{acc:.3f}", f"{loss:.3f}",

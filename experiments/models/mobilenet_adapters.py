@@ -13,7 +13,7 @@ trained in full; test accuracy on 1,000 images).
                     # tnspec's adapters at most half of PEFT LoRA's (the head aside), ~15 min
     python -m experiments.models.mobilenet_adapters --seeds 3 --rank 1 \\
         --methods "low_rank default" "low_rank zero" "PEFT LoRA" --out mobilenet_adapters_rank1
-                    # low_rank at rank 1 on all 34 convs: PEFT LoRA r=1's structure, ~15 min
+                    # low_rank at rank 1 on all 34 convs: PEFT LoRA r=1's structure, ~25 min
 """
 
 from __future__ import annotations
