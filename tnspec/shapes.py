@@ -370,3 +370,16 @@ def _product(values: list[Any]) -> Any:
     if all(isinstance(v, int) for v in values):
         return math.prod(values)
     return " * ".join(map(str, values))
+
+
+def lookup_shape(network: Network, shape: Sequence[int]) -> tuple[int, ...]:
+    """The planned shape of an index input of ``shape`` (an embedding's): its axes (any number
+    where the spec writes one: their product) and the modes' one-hot axis."""
+    written = len(network.input.axes) - 1
+    modes = network.table_rows
+    if written == 1:
+        return (math.prod(shape), modes)
+    if len(shape) != written:
+        raise ValueError(f"{network.input.name}: expected {written} axes of indices, "
+                         f"got {len(shape)}")
+    return (*shape, modes)

@@ -287,6 +287,8 @@ def test_friendly_errors_for_wrong_python_arguments():
             tnspec.layer(text, init_weights=weights, **sizes)
     with pytest.raises(tnspec.SpecError, match="unknown planner 'nope'"):
         tnspec.layer(text, planner="nope", **sizes)  # at construction, not at the first call
+    with pytest.raises(tnspec.SpecError, match="unknown planner 'nope'"):
+        layer.planner = "nope"  # set later too
     for limit in ("x", 0, 2.5):
         with pytest.raises(tnspec.SpecError, match=f"max_elements={limit!r} must be a positive"):
             tnspec.layer(text, max_elements=limit, **sizes)
@@ -380,3 +382,17 @@ def test_a_layer_planning_inside_a_cuda_graph_capture_times_nothing(calibrated, 
     torch.testing.assert_close(layer(x), want)
     other = tnspec.formats.tucker2(16, 16, 3, rank=4, padding=1).layer(autotune=True)
     other(torch.randn(3, 16, 20, 20))  # a shape nothing was measured for: still no timing
+
+
+def test_a_planner_set_after_a_call_plans_anew():
+    """``layer.planner = ...`` after the layer ran at a shape: that shape's next call runs the
+    new planner's order, not the class kept for the old one."""
+    layer = tnspec.layer("x[b, c, h+kh-1], U[c, r], W[r, o, kh] -> y[b, o, h]", c=4, o=4, r=2,
+                         kh=3, planner="dense-first")
+    x = torch.randn(2, 4, 8)
+    y = layer(x)
+    assert layer._running(x).alone  # the kernel built, then one conv
+    layer.planner = "left-to-right"
+    assert not layer._running(x).alone  # the data meets U first
+    torch.testing.assert_close(layer(x), y)
+    assert layer.planner == "left-to-right"

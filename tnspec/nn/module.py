@@ -22,7 +22,7 @@ from torch import nn
 from ..errors import SpecError
 from ..ir import DEFAULT_MAX_BYTES, Network, Role
 from ..shapes import (bind_shape, check_shape, embedding_attributes, example_shape,
-                      expected_axes, geometry, guard_bytes, nn_attributes)
+                      expected_axes, geometry, guard_bytes, lookup_shape, nn_attributes)
 from ..language.settings import positive_limit
 from ..fit import moments
 from ..planning import calibration
@@ -69,11 +69,8 @@ class Layer(nn.Module):
         self.network = network
         self.spec = network.spec
         self.sizes = dict(network.sizes)
-        self.planner = planner
+        self.planner = planner  # checked by its setter
         self.max_bytes = positive_limit("max_bytes", max_bytes)
-        if planner not in PLANNERS:
-            raise SpecError(f"unknown planner {planner!r}",
-                            hint=f"choose one of {', '.join(sorted(PLANNERS))}")
         for core in network.cores:
             shape = tuple(self.sizes[i] for i in core.indices)
             self.register_parameter(core.name, nn.Parameter(
@@ -98,6 +95,21 @@ class Layer(nn.Module):
             self.__dict__.update(nn_attributes(geo, self.sizes.__getitem__))
         self._drop_code()
         self.reset_parameters()
+
+    @property
+    def planner(self) -> str:
+        """How the order is chosen (``"auto"``, ``"dense-first"``, a planner of
+        ``tnspec.planning.paths``); set, the layer plans anew at its next call."""
+        return self.__dict__["_planner"]
+
+    @planner.setter
+    def planner(self, planner: str) -> None:
+        if planner not in PLANNERS:
+            raise SpecError(f"unknown planner {planner!r}",
+                            hint=f"choose one of {', '.join(sorted(PLANNERS))}")
+        if self.__dict__.setdefault("_planner", planner) != planner:
+            self.__dict__["_planner"] = planner
+            self._drop_code()  # the classes kept were planned by the one before
 
     def _drop_code(self) -> None:
         """Forget the loaded code (it is planned again on the next call); name the layer for
@@ -138,23 +150,11 @@ class Layer(nn.Module):
         (timed now if that shape was not run yet)."""
         shape = tuple(int(n) for n in shape)
         if self.network.lookup:  # the shape of the indices
-            shape = self._lookups(shape)
+            shape = lookup_shape(self.network, shape)
         key = self._key(shape, False)
         if key not in self._plans and self._tunes():
             self._class(shape)
         return self._plans[key][1] if key in self._plans else self._plan(shape)
-
-    def _lookups(self, shape: Sequence[int]) -> tuple[int, ...]:
-        """The planned shape of an index input of ``shape``: its axes (any number where the
-        spec writes one: their product) and the modes' one-hot axis."""
-        written = len(self.network.input.axes) - 1
-        modes = self.network.table_rows
-        if written == 1:
-            return (math.prod(shape), modes)
-        if len(shape) != written:
-            raise ValueError(f"{self.network.input.name}: expected {written} axes of indices, "
-                             f"got {len(shape)}")
-        return (*shape, modes)
 
     def _plan(self, shape: tuple[int, ...], channels_last: bool = False) -> Plan:
         return plan(bind_shape(self.network, shape), self.planner, max_bytes=self.max_bytes,
@@ -242,7 +242,7 @@ class Layer(nn.Module):
         the text ``tnspec compile`` writes for that plan."""
         shape = tuple(int(n) for n in shape)
         if self.network.lookup:  # the shape of the indices
-            shape = self._lookups(shape)
+            shape = lookup_shape(self.network, shape)
         return runtime.source_of(self._class(shape).forward)
 
     def _class(self, shape: tuple[int, ...], channels_last: bool = False) -> type:
@@ -363,7 +363,8 @@ class Layer(nn.Module):
                 mode(x) == owner._last_mode:
             cls = owner._last_class  # the hot path: the same shape, layout, precision, mode
         else:
-            shape = owner._lookups(x.shape) if self.network.lookup else tuple(x.shape)
+            shape = lookup_shape(self.network, x.shape) if self.network.lookup else \
+                tuple(x.shape)
             if owner._unbatched_dims >= 0:  # checked here, to quote the shape as given
                 net, unbatched = self.network, len(shape) == owner._unbatched_dims
                 check_shape(net.input.name, expected_axes(net.input, net.sizes), shape,
