@@ -63,6 +63,7 @@ def layer_class(network: Network, plan: Plan | None, channels_last: bool = False
     split = None if program is None else weights.built_from_cores(program)
     cls.alone = program is not None and weights.alone(program, split)
     cls.chain = program is not None and not cls.alone and weights.chain(program, split)
+    cls.applied = cls.alone and weights.applied(program, split)
     return cls
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..program import Call, Node, Param, Program, Var, reads
+from ..program import Call, CheckShape, Let, Node, Param, Program, Require, Unpack, Var, reads
 
 #: printed once into a module whose forwards build weights from cores. A layer with
 #: ``keep_built`` set (a frozen copy of an adapter) builds them once while no core needs a
@@ -116,3 +116,24 @@ def alone(program: Program, split: tuple[list[Call], tuple[str, ...]] | None = N
     :func:`built_from_cores` gives for ``program``, where it is at hand."""
     built, kept = split or built_from_cores(program)
     return len(kept) == 1 and not any(reads_cores(n) for n in program.nodes if n not in built)
+
+
+def applied(program: Program, split: tuple[list[Call], tuple[str, ...]] | None = None) -> bool:
+    """Whether the layer is one ungrouped linear or conv (``F.linear``, ``F.conv1d/2d/3d``) of
+    its input as given by one weight built of the cores, whose result is its output (the bias,
+    if any, its own): then a base layer of the same geometry can take that weight into its own,
+    and the two run as one (how ``tnspec``'s adapters run such an adapter beside its base).
+    ``split``: what :func:`built_from_cores` gives, where it is at hand."""
+    built, kept = split or built_from_cores(program)
+    # what reads and checks the data's shape computes nothing
+    rest = [n for n in program.nodes
+            if n not in built and not isinstance(n, (CheckShape, Unpack, Let, Require))]
+    data = [n.var for n in program.nodes if isinstance(n, CheckShape)]
+    if len(kept) != 1 or len(rest) != 1 or len(data) != 1 or not isinstance(rest[0], Call):
+        return False
+    (call,) = rest
+    return call.fn in _CHAINED and call.out == program.result and \
+        {k for k, _ in call.kwargs} <= {"bias", "padding", "stride", "dilation"} and \
+        call.args[:2] == (Var(data[0]), Var(kept[0])) and \
+        all(a == Param("bias") for a in [*call.args[2:], *(v for k, v in call.kwargs
+                                                              if k == "bias")])

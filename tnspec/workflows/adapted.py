@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 from typing import Any
 
 import torch
@@ -20,7 +21,7 @@ from ..fit import decompose
 from ..ir import Formula, Network, Role
 from ..nn.module import Layer
 from .padded import Padded
-from .stand_ins import TensorizedLinear
+from .stand_ins import TensorizedConv, TensorizedLinear
 
 
 class Adapted(nn.Module):
@@ -29,7 +30,8 @@ class Adapted(nn.Module):
     scaling * adapter(x)`` for the active adapter, run as its planned network on the input as
     the base pads it. An adapter built with ``init="offset"`` has a frozen copy of itself at
     init in ``offsets``, subtracted: ``scaling * (adapter(x) - offset(x))``, in one run where
-    it can be (:func:`less`)."""
+    it can be (:func:`less`). An adapter whose plan is one product by a weight of its cores
+    runs inside the base's product (:func:`folded`)."""
 
     def __init__(self, base: nn.Module) -> None:
         super().__init__()
@@ -65,9 +67,12 @@ class Adapted(nn.Module):
         self.scaling[name], self.pads[name], self.zeroed[name] = scaling, pad, zeroed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.base(x)
         if self.disabled or self.active is None:
+            return self.base(x)
+        y = folded(self, x)
+        if y is not None:
             return y
+        y = self.base(x)
         if isinstance(self.base, Padded):  # a conv that padded in its forward: as it pads
             x = self.base.pad(x)
         pad = self.pads[self.active]
@@ -133,6 +138,54 @@ class Saved(nn.Module):
 
     def extra_repr(self) -> str:
         return f"active={self.active!r}" + (", disabled" if self.disabled else "")
+
+
+def folded(module: Adapted, x: torch.Tensor) -> torch.Tensor | None:
+    """``module``'s output as one linear or conv of ``x`` by ``W + scaling * (A - A0)`` and the
+    base's bias, where the base is a plain ``nn.Linear`` or ungrouped ``nn.Conv1d/2d/3d``
+    (weight ``W``) and the active adapter's plan for ``x`` is that op, of the base's geometry,
+    by one weight ``A`` built of its cores (``applied``; ``A0`` its frozen copy's, kept built):
+    what ``base(x) + scaling * (adapter(x) - offset(x))`` computes, with one product of the
+    data where it took two (three, with the copy) and as many fewer backward. At init ``A -
+    A0`` is zero, so the output is ``base(x)``'s, bit for bit, autograd or not. None where it
+    does not apply (then the parts run as modules): another plan, a base of another class,
+    geometry or dtype, padding of the adapter's own, hooks (they would not fire), a compiled
+    trace."""
+    base, name = module.base, module.active
+    layer = module.adapters[name]
+    offset = module.offsets[name] if name in module.offsets else None
+    parts = (base, layer) if offset is None else (base, layer, offset)
+    if module.pads[name] is not None or torch.compiler.is_compiling() or x.dim() == 0 or \
+            any(m._forward_hooks or m._forward_pre_hooks for m in parts) or \
+            nn.modules.module._global_forward_hooks or \
+            nn.modules.module._global_forward_pre_hooks:
+        return None
+    if type(base) is nn.Linear and isinstance(layer, TensorizedLinear):
+        # the class of the rows the adapter would run, by their shape: no view of x made
+        cls = layer._class((math.prod(x.shape[:-1]), x.shape[-1]))
+    elif type(base) in (nn.Conv1d, nn.Conv2d, nn.Conv3d) and \
+            isinstance(layer, TensorizedConv) and base.groups == 1 and \
+            base.padding_mode == "zeros" and \
+            all(tuple(getattr(base, a)) == tuple(getattr(layer, a))
+                for a in ("stride", "padding", "dilation")):
+        cls = layer._running(x)
+    else:
+        return None
+    if not getattr(cls, "applied", False):
+        return None
+    reused = cls.forward.__globals__["_reused"]  # the generated module's (see emit.weights)
+    (weight,) = reused(layer, cls._weights)
+    if offset is not None:
+        (kept,) = reused(offset, cls._weights)  # a frozen copy builds once (keep_built)
+        weight = weight - kept
+    if weight.shape != base.weight.shape or weight.dtype != base.weight.dtype:
+        return None
+    scaling = module.scaling[name]
+    weight = base.weight + weight if scaling == 1.0 else \
+        torch.add(base.weight, weight, alpha=scaling)  # eager only: see forward
+    if isinstance(base, nn.Linear):
+        return F.linear(x, weight, base.bias)
+    return base._conv_forward(x, weight, base.bias)  # with the base's padding mode
 
 
 def less(layer: Layer, offset: Layer, x: torch.Tensor) -> torch.Tensor:
