@@ -133,14 +133,23 @@ def bert_variants(batch: int, tokens: int, device: torch.device, small: bool) ->
     h = config.hidden_size
     share = 2 * h * 8 / (h * h)  # LoRA r=8's share of a square projection's parameters
     # the zero start (one core zero) runs the adapter once; adapt's default (every core
-    # drawn, the start subtracted by a frozen copy, exact at init) runs it twice
-    for fmt, init in [(f, "zero") for f in ("low_rank", "cp", "tt", "tr", "tt_lora")] + \
-            [("low_rank", None), ("tt", None)]:
+    # drawn, the start subtracted by a frozen copy, exact at init) runs it twice, or once
+    # where it is one product (TT here), inside the base's. "dense-first": every adapter
+    # builds its weight and runs inside its base's product (the fewest ops, a third full
+    # product for the weight's gradient)
+    for fmt, init, planner in [(f, "zero", "auto") for f in ("low_rank", "cp", "tt", "tr",
+                                                             "tt_lora")] + \
+            [("low_rank", None, "auto"), ("tt", None, "auto"), ("tr", None, "auto"),
+             ("low_rank", None, "dense-first"), ("tr", None, "dense-first")]:
         rank = 8 if fmt == "low_rank" else share
         try:
             model, _ = tnspec.adapt(base(), fmt, rank=rank, include=lambda n, m: n.endswith(
                 targets), **({"init": init} if init else {}))
-            start = "zero start" if init else "default start"
+            for m in model.modules():
+                if isinstance(m, tnspec.Layer):
+                    m.planner = planner
+            start = ("zero start" if init else "default start") + \
+                (", dense-first" if planner != "auto" else "")
             out.append(Variant(f"tnspec {fmt}, {start} ({_params(model)})", model.to(device),
                                (ids,), loss))
         except tnspec.SpecError as e:
