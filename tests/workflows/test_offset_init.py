@@ -250,6 +250,33 @@ def test_the_default_start_shares_the_scale_out_over_the_adapted_layers():
     assert zero.scale == 1.0 and given.scale == 0.5
 
 
+@pytest.mark.parametrize("fmt", ["low_rank", "tt", "tr"])
+def test_the_drawn_scale_is_the_output_multiplier_so_a_step_moves_by_its_root(fmt):
+    """``scale`` is carried by the adapter's output multiplier, the cores drawn as at
+    ``scale=1``: Adam's first step moves each entry by ``lr`` whatever the gradient's size, so
+    the step moves the output by ``sqrt(scale)`` of what it moves at ``scale=1`` (with cores
+    drawn smaller it fell only as ``scale ** ((k - 1) / 2k)``: 0.71 of it for two cores at a
+    quarter, where it is now 0.5)."""
+    x = torch.randn(256, 64)
+    moved, cores = {}, {}
+    for scale in (1.0, 0.25):
+        torch.manual_seed(0)
+        base = nn.Sequential(nn.Linear(64, 64))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # modes of small widths
+            model = tnspec.adapt(base, fmt, rank=0.1, scale=scale)[0]
+        cores[scale] = [p.detach().clone() for p in model[0].adapters["default"].parameters()]
+        with torch.no_grad():
+            before = model(x)
+        opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+        model(x).pow(2).mean().backward()
+        opt.step()
+        with torch.no_grad():
+            moved[scale] = float((model(x) - before).norm())
+    assert all(torch.equal(a, b) for a, b in zip(cores[1.0], cores[0.25]))  # drawn alike
+    assert moved[0.25] / moved[1.0] == pytest.approx(0.5, rel=1e-3), moved
+
+
 def test_the_drawn_scale_counts_the_layers_that_get_an_adapter():
     """Layers a small share skips ("even rank 1 has ... parameters") take no part of the
     scale: one wide layer adapted beside twelve narrow ones skipped gets ``min(1, 4 / 1)``,

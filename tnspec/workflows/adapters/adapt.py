@@ -3,10 +3,11 @@ pretrained model. Each targeted ``nn.Linear`` / ``nn.Conv1d/2d/3d`` becomes an
 :class:`Adapted` module: the original module (frozen, untouched) plus named tnspec layers of
 the same geometry whose outputs are added.
 
-The init rule (docs/adapters.md): the adapter's cores are drawn by Graph-in for an output
-variance of ``scale`` times the base layer's (read from its weight: ``||W||^2 / out`` for
-unit-variance inputs), one of them (the output-side one by default) stored in units of its
-Graph-in std, the adapter's output multiplied by that std. By default (``init="offset"``) a
+The init rule (docs/adapters.md): the adapter's cores are drawn by Graph-in for the base
+layer's output variance (read from its weight: ``||W||^2 / out`` for unit-variance inputs),
+one of them (the output-side one by default) stored in units of its Graph-in std, the
+adapter's output multiplied by that std and by ``sqrt(scale)``: an output variance of
+``scale`` times the base layer's. By default (``init="offset"``) a
 frozen copy of the adapter at init is subtracted, so that adapting changes no output and
 every core learns from the first step, and ``scale`` is shared out over the adapted layers
 (:func:`drawn_scale`); with ``init="zero"`` that one core starts at zero instead
@@ -122,11 +123,13 @@ def adapt(model: nn.Module, fmt: Fmt = "low_rank", *, rank: int | float | None =
     output at init, bit for bit without autograd and to float rounding with it (a matmul may
     pick another kernel for a weight that requires grad), and every core gets a gradient from
     the first step (the copy costs one more forward of the adapter, no trainable parameter).
-    The drawn adapter's output variance is ``scale`` times the base layer's; without
-    ``scale``, ``min(1, 4 / n)`` for ``n`` adapted layers (:func:`drawn_scale`), so that many
-    adapters together do not move the model faster than a few: at ``scale=1`` a transformer's
-    36 adapters each changed their layer's output by 12-37% in 10 steps and the model's
-    embedding collapsed (docs/adapters.md, "The default start"). ``init="zero"`` starts the
+    The drawn adapter's output variance is ``scale`` times the base layer's, carried by its
+    output's multiplier (the cores drawn as at ``scale=1``, so that a step moves the adapter
+    by ``sqrt(scale)`` of what it moves at 1); without ``scale``, ``min(1, 4 / n)`` for ``n``
+    adapted layers (:func:`drawn_scale`), so that many adapters together do not move the
+    model faster than a few: at ``scale=1`` a transformer's 36 adapters each changed their
+    layer's output by 12-37% in 10 steps and the model's embedding collapsed
+    (docs/adapters.md, "The default start"). ``init="zero"`` starts the
     core ``zero`` (by default the output-side one) at zero instead, ``scale=1``: exact bit for
     bit in both modes, but only that core learns at first, and on a conv network four of
     five formats stayed near chance. ``init="principal"`` fits the cores to the base weight's

@@ -93,14 +93,20 @@ def adapter_plan(base: nn.Module, fmt: Fmt, rank: int | float | None, zero: str 
 def drawn_layer(base: nn.Module, plan: AdapterPlan, scale: float, init: str = "zero"
                 ) -> tuple[Layer, float, tuple[tuple[int, ...], str] | None, str, str]:
     """The adapter ``plan`` describes for ``base``, drawn for an output variance of ``scale``
-    times the base layer's: ``(layer, scaling, pad, zeroed core, note)``."""
+    times the base layer's: ``(layer, scaling, pad, zeroed core, note)``. The cores are drawn
+    for the base's variance, as at ``scale=1``, and ``scale`` is carried by the output's
+    multiplier (``scaling``, ``sqrt(scale)`` of it): Adam moves each entry of a core by about
+    ``lr`` a step, so a step moves the adapter by ``sqrt(scale)`` of what it moves at
+    ``scale=1``, where cores drawn smaller would each move more of themselves and a step
+    would fall only as ``scale ** ((k - 1) / 2k)`` for ``k`` cores (docs/adapters.md, "The
+    default start")."""
     net, pad, zeroed = plan.net, plan.pad, plan.zeroed
     weight = weight_of(base).detach()
     out = weight.shape[0]
     note = ""
-    variance = math.nan if weight.is_meta else float(weight.double().pow(2).sum()) / out * scale
+    variance = math.nan if weight.is_meta else float(weight.double().pow(2).sum()) / out
     if not variance > 0 or not math.isfinite(variance):
-        variance = scale / (weight[0].numel() or 1)
+        variance = 1 / (weight[0].numel() or 1)
         note = ("on the meta device (no values yet)" if weight.is_meta else "the base weight is "
                 "zero or not finite") + ": scaled for Kaiming's fan-in variance"
     # Graph-in for an output variance of `variance`: the activation scale is 1 / variance,
@@ -116,7 +122,7 @@ def drawn_layer(base: nn.Module, plan: AdapterPlan, scale: float, init: str = "z
             getattr(layer, zeroed).zero_()
         else:
             getattr(layer, zeroed).div_(stds[zeroed])
-    scaling = stds[zeroed] * math.sqrt(variance * activation)
+    scaling = stds[zeroed] * math.sqrt(variance * activation * scale)
     if init == "principal" and not weight.is_meta:
         # the layer's weight = the base weight's best approximation in the format (the
         # truncated SVD for low_rank); a frozen copy cancels it at init, so the model computes
