@@ -17,6 +17,9 @@ trained in full; test accuracy on 1,000 images).
     python -m experiments.models.mobilenet_adapters --seeds 3 --rank 1 \
         --methods "low_rank default" "PEFT LoRA" --out mobilenet_adapters_rank1_multiplier
                     # the same since the drawn scale is the output's multiplier, ~18 min
+    python -m experiments.models.mobilenet_adapters --methods "head only" "low_rank default" \
+        "cp default" "tucker2 default" "tt default" "tr default" "tt_lora default" \
+        "PEFT LoRA" --out mobilenet_adapters_multiplier   # every format's default, ~15 min
 """
 
 from __future__ import annotations
