@@ -237,7 +237,7 @@ def test_stages_import_only_what_they_need():
     assert graph["workflows.left_alone"] <= {"workflows.dense_layers", "workflows.model_tree"}
     # the adapted module reads its adapter's network (ir) to run it less its copy as one
     assert graph["workflows.adapted"] <= {"errors", "fit.decompose", "ir", "nn.module",
-                                          "workflows.padded", "workflows.stand_ins"}
+                                          "nn.modes", "workflows.padded", "workflows.stand_ins"}
     # adapters: above Layer, they build layers through the API and plan nothing
     adapters = {m: d for m, d in graph.items() if m.startswith("workflows.adapters.")}
     assert not {d for deps in adapters.values() for d in deps

@@ -131,7 +131,7 @@ class Layer(nn.Module):
         for name in ("_classes", "_plans", "_last_class", "_last_shape", "_last_stride",
                      "_last_mode", "_last_channels_last", "_trace_name"):
             del state[name]
-        for name in ("_traced_class", "_kept", "_doubled"):  # built again as needed
+        for name in ("_traced_class", "_kept", "_doubled", "_rows_class"):  # built as needed
             state.pop(name, None)
         return state
 
