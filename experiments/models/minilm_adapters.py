@@ -23,8 +23,8 @@ same trainable parameters, on the same batches, one learning rate (AdamW 1e-3), 
         "low_rank zero" "low_rank principal" "tucker2 zero" "tucker2 principal" \\
         "tt zero" "tt principal" "tr zero" "tr principal" \\
         --out minilm_adapters_curve   # how many steps the principal start needs
-    python -m experiments.models.minilm_adapters --seeds 1 --rates 1e-3 3e-3 1e-2 \
-        --methods "low_rank default" "cp default" "tt default" "tr default" \
+    python -m experiments.models.minilm_adapters --seeds 1 --rates 1e-3 3e-3 1e-2 \\
+        --methods "low_rank default" "cp default" "tt default" "tr default" \\
         "tt_lora default" LoRA --out minilm_adapters_multiplier  # the drawn scale a multiplier
 """
 

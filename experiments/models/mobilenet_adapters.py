@@ -14,11 +14,11 @@ trained in full; test accuracy on 1,000 images).
     python -m experiments.models.mobilenet_adapters --seeds 3 --rank 1 \\
         --methods "low_rank default" "low_rank zero" "PEFT LoRA" --out mobilenet_adapters_rank1
                     # low_rank at rank 1 on all 34 convs: PEFT LoRA r=1's structure, ~25 min
-    python -m experiments.models.mobilenet_adapters --seeds 3 --rank 1 \
+    python -m experiments.models.mobilenet_adapters --seeds 3 --rank 1 \\
         --methods "low_rank default" "PEFT LoRA" --out mobilenet_adapters_rank1_multiplier
-                    # the same since the drawn scale is the output's multiplier, ~18 min
-    python -m experiments.models.mobilenet_adapters --methods "head only" "low_rank default" \
-        "cp default" "tucker2 default" "tt default" "tr default" "tt_lora default" \
+                    # the same since the drawn scale is the output's multiplier, ~17 min
+    python -m experiments.models.mobilenet_adapters --methods "head only" "low_rank default" \\
+        "cp default" "tucker2 default" "tt default" "tr default" "tt_lora default" \\
         "PEFT LoRA" --out mobilenet_adapters_multiplier   # every format's default, ~15 min
 """
 
