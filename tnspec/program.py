@@ -97,7 +97,8 @@ class Require:
 
 @dataclass(frozen=True)
 class Bias:
-    """``out = var + self.bias.reshape(shape)`` when the module has a bias."""
+    """``out = var + self.bias.reshape(shape)`` when the module has a bias; ``shape`` empty:
+    ``var + self.bias``, the bias's axes ending ``var``'s."""
 
     out: str
     var: str

@@ -86,7 +86,25 @@ def test_tracebacks_show_the_generated_line():
         layer(torch.ones(2, 2, dtype=torch.int64))
     text = "".join(traceback.format_exception(info.value))
     assert "<tnspec-generated-" in text
-    assert "y = F.linear(x, W_p, self.bias)" in text  # the bias added by the linear
+    assert "y = torch.matmul(x, self.W)" in text  # W taken as stored, inputs first
+
+
+def test_a_weight_stored_inputs_first_is_multiplied_as_it_is():
+    """``W[c, o]`` is ``x @ W``, as one would write it: F.linear would read it through a
+    permute and a transpose (views forward and back); the bias, ending the output, is added
+    as stored. ``W[o, c]`` keeps ``F.linear`` with the bias in it."""
+    x = torch.randn(5, 4)
+    for text, fn in [("x[b, c], W[c, o] -> y[b, o]", "torch.matmul(x, self.W)"),
+                     ("x[b, c], W[o, c] -> y[b, o]", "F.linear(x, self.W, self.bias)")]:
+        layer = tnspec.layer(text, c=4, o=3)
+        with torch.no_grad():
+            layer.bias.normal_()
+        source = layer.source(tuple(x.shape))
+        assert fn in source and ".permute" not in source and ".reshape" not in source, source
+        w = layer.W if text.startswith("x[b, c], W[c") else layer.W.t()
+        torch.testing.assert_close(layer(x), x @ w + layer.bias)
+    assert "y = y + self.bias.to(y.dtype)" in tnspec.layer(
+        "x[b, c], W[c, o] -> y[b, o]", c=4, o=3).source((5, 4))
 
 
 def test_source_of_the_inline_layer_is_what_generate_writes():

@@ -190,3 +190,34 @@ def test_a_1x1_cores_product_step_reads_its_weight_built_as_the_conv_would(monke
     assert sum(ops.values()) <= 49, dict(ops)
     weights = layer.source(tuple(x.shape)).split("def _weights")[1]
     assert "torch.mul(D_v" in weights and weights.count("torch.einsum") == 1
+
+
+def test_a_tt_lora_linear_dispatches_what_its_hand_written_chain_does():
+    """TT-LoRA on a linear builds its input-side and output-side weights by matrix products,
+    each inputs first, as one writes it by hand (``x @ w_in @ w_out + b``): the data is
+    multiplied by them as they are, where ``F.linear`` read each through a permute and a
+    transpose (68 ops a step before, 57 now; by hand 57)."""
+    layer = tnspec.formats.build("tt_lora", 768, 768, rank=0.02).layer(autotune=False)
+    with torch.no_grad():
+        layer.bias.normal_()
+
+    def by_hand(x: torch.Tensor) -> torch.Tensor:
+        A, B, C, D, E, F = (getattr(layer, n) for n in "ABCDEF")
+        w_in = (A @ B.reshape(B.shape[0], -1)).reshape(-1, C.shape[0]) @ \
+            C.reshape(C.shape[0], -1)
+        w_out = D.reshape(-1, D.shape[2]) @ (E.reshape(-1, E.shape[2]) @ F).reshape(
+            E.shape[0], -1)
+        return x @ w_in.reshape(-1, C.shape[2]) @ w_out.reshape(D.shape[0], -1) + layer.bias
+
+    class ByHand(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = layer
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return by_hand(x)
+    x = torch.randn(1024, 768, requires_grad=True)  # rows enough that the plan builds both
+    torch.testing.assert_close(layer(x), by_hand(x))
+    tn, hand = step_ops(layer, x), step_ops(ByHand(), x)
+    assert tn["permute"] == 0 and tn["t"] == 2 * tn["mm"] // 3, dict(tn)  # t's: mm's backward
+    assert sum(tn.values()) <= sum(hand.values()), (dict(tn), dict(hand))

@@ -244,13 +244,14 @@ class _Class:
         for k, node in enumerate(p.nodes):
             if k == first:  # the checks of the data come first, as before
                 names = ", ".join(kept) + ("," if len(kept) == 1 else "")
+                axes = chain(p, (built, kept))
                 lines += [f"{i2}if torch.jit.is_scripting():",
                           f"{i2}{INDENT}{names} = self._weights()",
                           f"{i2}else:  # kept by a frozen layer: see _reused",
                           *wrap_line(f"{i2}{INDENT}{names} = _reused(self, "
                                      f"{class_name(self.net)}._weights"
                                      + (", alone=True)" if alone(p, (built, kept)) else
-                                        ", chain=True)" if chain(p, (built, kept)) else ")"))]
+                                        f", chain={axes})" if axes else ")"))]
             if node not in built:
                 lines += statement(node, i2)
         if p.unbatched:

@@ -277,15 +277,21 @@ class _Lowering(Products):
     def linear(self, step: Step, left: Var | Param, right: Var | Param, base: str,
                what: str) -> Var:
         """A data-side step without spatial axes or groups: one ``F.linear`` over the last
-        axis, the batch axes left as they are."""
+        axis, the batch axes left as they are; ``torch.matmul`` by a weight that arrives
+        inputs first (``F.linear`` would read it through a permute and a transpose, views
+        forward and back; the bias, if any, is then added after it)."""
         sp = step.split
         batch_dims = [self.dim(left, i) for i in sp.batch]
         x = self.arrange(left, sp.batch + sp.inputs, batch_dims + [self.product(sp.inputs)])
-        w = self.arrange(right, sp.outputs + sp.inputs,
-                         [self.product(sp.outputs), self.product(sp.inputs)])
-        bias = (Param("bias"),) if self.takes_bias(step, sp.outputs, sp.batch + sp.outputs) \
-            else ()
-        y = self.call(base + "_lin", "F.linear", x, w, *bias, layout=sp.batch + ("",),
+        sides = [sp.inputs, sp.outputs]
+        if self.layout[right] == sp.inputs + sp.outputs != sp.outputs + sp.inputs:
+            fn, bias = "torch.matmul", ()
+        else:
+            fn, sides = "F.linear", sides[::-1]
+            bias = (Param("bias"),) if self.takes_bias(step, sp.outputs,
+                                                       sp.batch + sp.outputs) else ()
+        w = self.arrange(right, sides[0] + sides[1], [self.product(s) for s in sides])
+        y = self.call(base + "_lin", fn, x, w, *bias, layout=sp.batch + ("",),
                       dims=batch_dims + [self.product(sp.outputs)],
                       comment=f"linear, {step.flops:,} FLOPs: {what}")
         return self.reshape_to(y, step.result.indices,
@@ -317,8 +323,10 @@ class _Lowering(Products):
         folded = any(isinstance(n, Call) and Param("bias") in (*n.args, *dict(n.kwargs).values())
                      for n in self.nodes)
         if bias_shape(net) and not folded:  # skipped at run time when the module has no bias
-            shape = tuple(self.product(a) if from_cores(net, a) else Size.of(1)
-                          for a in net.output.axes)
+            cored = [from_cores(net, a) for a in net.output.axes]
+            # () where the bias's axes end the output: it broadcasts as it is stored
+            shape = () if cored == sorted(cored) else \
+                tuple(self.product(a) if c else Size.of(1) for a, c in zip(net.output.axes, cored))
             self.nodes.append(Bias(out_name, name, shape, "bias over " + ", ".join(
                 axis_text(a) for a in net.output.axes if from_cores(net, a))))
             name = out_name

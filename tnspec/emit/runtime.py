@@ -62,8 +62,8 @@ def layer_class(network: Network, plan: Plan | None, channels_last: bool = False
     # the data meets the cores through one weight, or through a chain of two (see weights)
     split = None if program is None else weights.built_from_cores(program)
     cls.alone = program is not None and weights.alone(program, split)
-    cls.chain = program is not None and not cls.alone and weights.chain(program, split)
-    cls.applied = cls.alone and weights.applied(program, split)
+    cls.chain = program is not None and not cls.alone and bool(weights.chain(program, split))
+    cls.applied = weights.applied(program, split) if cls.alone else None  # the op's name
     return cls
 
 

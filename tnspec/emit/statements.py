@@ -87,8 +87,9 @@ def statement(node: Node, indent: str) -> list[str]:
             noted = comment(node.comment, indent) + [head]
         # .to: under autocast the contraction runs in lower precision and, as nn.Conv2d's
         # output, so does the sum (a no-op otherwise)
+        bias = f"self.bias.reshape({shape})" if shape else "self.bias"
         return noted + wrap_line(f"{indent}{INDENT}{node.out} = {node.var} + "
-                                 f"self.bias.reshape({shape}).to({node.var}.dtype)")
+                                 f"{bias}.to({node.var}.dtype)")
     if isinstance(node, CompileCopy):
         v = node.var
         return comment(node.comment, indent) + [f"{indent}if torch.compiler.is_compiling():"] + \

@@ -171,13 +171,15 @@ def folded(module: Adapted, x: torch.Tensor) -> torch.Tensor | None:
         cls = layer._running(x)
     else:
         return None
-    if not getattr(cls, "applied", False):
+    if not getattr(cls, "applied", None) or layer.bias is not None:
         return None
     reused = cls.forward.__globals__["_reused"]  # the generated module's (see emit.weights)
     (weight,) = reused(layer, cls._weights)
     if offset is not None:
         (kept,) = reused(offset, cls._weights)  # a frozen copy builds once (keep_built)
         weight = weight - kept
+    if cls.applied == "torch.matmul":  # x @ A: A built inputs first
+        weight = weight.t()
     if weight.shape != base.weight.shape or weight.dtype != base.weight.dtype:
         return None
     scaling = module.scaling[name]
