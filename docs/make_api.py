@@ -41,12 +41,13 @@ def _entry(name: str, obj: object, level: str = "##") -> list[str]:
     lines += [doc, ""]
     if kind == "class":
         for attr, member in sorted(vars(obj).items()):
+            # methods, and settings: properties and other data descriptors
             if attr.startswith("_") or not (inspect.isfunction(member) or
-                                            isinstance(member, property)):
+                                            inspect.isdatadescriptor(member)):
                 continue
             target = member.fget if isinstance(member, property) else member
             lines += [f"### `{name}.{attr}`", ""]
-            if not isinstance(member, property):
+            if inspect.isfunction(member):
                 lines += ["```python", _signature(target, attr), "```", ""]
             lines += [inspect.getdoc(target) or "(no docstring)", ""]
     return lines

@@ -396,3 +396,24 @@ def test_a_planner_set_after_a_call_plans_anew():
     assert not layer._running(x).alone  # the data meets U first
     torch.testing.assert_close(layer(x), y)
     assert layer.planner == "left-to-right"
+
+
+def test_max_bytes_set_after_a_call_plans_anew_and_old_pickles_load():
+    """``layer.max_bytes = ...`` after the layer ran at a shape is a limit on that shape's next
+    plan too (the class kept for the old limit ran on); a bad value is refused as in the
+    constructor; a layer pickled when both settings were plain attributes loads with them."""
+    layer = tnspec.layer("x[b, c, h+kh-1], U[c, r], W[r, o, kh] -> y[b, o, h]", c=4, o=4, r=2,
+                         kh=3)
+    x = torch.randn(2, 4, 8)
+    layer(x)
+    layer.max_bytes = 64
+    with pytest.raises(tnspec.SpecError, match=r"would take \d+ bytes .* limit of 64 bytes"):
+        layer(x)
+    with pytest.raises(tnspec.SpecError, match="max_bytes=0 must be a positive int"):
+        layer.max_bytes = 0
+    assert layer.max_bytes == 64
+    state = layer.__getstate__()
+    state["planner"], state["max_bytes"] = state.pop("_planner"), state.pop("_max_bytes")
+    old = type(layer).__new__(type(layer))
+    old.__setstate__(state)
+    assert (old.planner, old.max_bytes) == ("auto", 64)

@@ -31,11 +31,19 @@ from ..planning.plan import PLANNERS, Plan, plan
 from ..emit import runtime, safe
 from ..emit.lower import Program, bias_shape, lower
 from . import autotune, fitting
-from .modes import AUTOCAST_DEVICES, autocast_dtype, mode
+from .modes import AUTOCAST_DEVICES, Replans, autocast_dtype, mode
 
 __all__ = ["Layer"]
 
 logger = logging.getLogger("tnspec")
+
+
+def check_planner(name: str, planner: str) -> str:
+    """``planner`` where it names one of ``PLANNERS``, else a SpecError naming the setting."""
+    if planner not in PLANNERS:
+        raise SpecError(f"unknown {name} {planner!r}",
+                        hint=f"choose one of {', '.join(sorted(PLANNERS))}")
+    return planner
 
 
 class Layer(nn.Module):
@@ -59,6 +67,10 @@ class Layer(nn.Module):
     #: for bit, while their cores are equal. Set through ``__dict__``: not a submodule.
     code_of: Layer | None = None
     keep_built: bool = False
+    planner = Replans(check_planner, """How the order is chosen (``"auto"``, ``"dense-first"``, a
+        planner of ``tnspec.planning.paths``); set, the layer plans anew at its next call.""")
+    max_bytes = Replans(positive_limit, """The largest tensor of the forward pass a plan may
+        make, in bytes; set, the layer plans anew at its next call.""")
 
     def __init__(self, network: Network, *, dtype: torch.dtype | None = None,
                  device: torch.device | str | None = None, planner: str = "auto",
@@ -69,8 +81,7 @@ class Layer(nn.Module):
         self.network = network
         self.spec = network.spec
         self.sizes = dict(network.sizes)
-        self.planner = planner  # checked by its setter
-        self.max_bytes = positive_limit("max_bytes", max_bytes)
+        self.planner, self.max_bytes = planner, max_bytes  # checked as set (Replans)
         for core in network.cores:
             shape = tuple(self.sizes[i] for i in core.indices)
             self.register_parameter(core.name, nn.Parameter(
@@ -95,21 +106,6 @@ class Layer(nn.Module):
             self.__dict__.update(nn_attributes(geo, self.sizes.__getitem__))
         self._drop_code()
         self.reset_parameters()
-
-    @property
-    def planner(self) -> str:
-        """How the order is chosen (``"auto"``, ``"dense-first"``, a planner of
-        ``tnspec.planning.paths``); set, the layer plans anew at its next call."""
-        return self.__dict__["_planner"]
-
-    @planner.setter
-    def planner(self, planner: str) -> None:
-        if planner not in PLANNERS:
-            raise SpecError(f"unknown planner {planner!r}",
-                            hint=f"choose one of {', '.join(sorted(PLANNERS))}")
-        if self.__dict__.setdefault("_planner", planner) != planner:
-            self.__dict__["_planner"] = planner
-            self._drop_code()  # the classes kept were planned by the one before
 
     def _drop_code(self) -> None:
         """Forget the loaded code (it is planned again on the next call); name the layer for
@@ -136,6 +132,9 @@ class Layer(nn.Module):
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        for name in ("planner", "max_bytes"):  # pickled before they were Replans
+            if name in state:
+                state["_" + name] = state.pop(name)
         super().__setstate__(state)
         self._drop_code()
 
