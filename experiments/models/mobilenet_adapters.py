@@ -20,6 +20,10 @@ trained in full; test accuracy on 1,000 images).
     python -m experiments.models.mobilenet_adapters --methods "head only" "low_rank default" \\
         "cp default" "tucker2 default" "tt default" "tr default" "tt_lora default" \\
         "PEFT LoRA" --out mobilenet_adapters_multiplier   # every format's default, ~15 min
+    python -m experiments.models.mobilenet_adapters --seeds 3 --methods "head only" \\
+        "low_rank default" "cp default" "tucker2 default" "tt default" "tr default" \\
+        "tt_lora default" "PEFT LoRA" --out mobilenet_adapters_multiplier_3seeds
+                    # the same, 3 seeds, ~45 min alone
 """
 
 from __future__ import annotations
