@@ -26,6 +26,9 @@ same trainable parameters, on the same batches, one learning rate (AdamW 1e-3), 
     python -m experiments.models.minilm_adapters --seeds 1 --rates 1e-3 3e-3 1e-2 \\
         --methods "low_rank default" "cp default" "tt default" "tr default" \\
         "tt_lora default" LoRA --out minilm_adapters_multiplier  # the drawn scale a multiplier
+    python -m experiments.models.minilm_adapters --seeds 2 --rates 1e-3 3e-3 1e-2 \\
+        --methods "low_rank default" "cp default" "tt default" "tr default" \\
+        "tt_lora default" LoRA --out minilm_adapters_multiplier_2seeds  # the same, 2 seeds
 """
 
 from __future__ import annotations
