@@ -19,7 +19,6 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-from ..errors import SpecError
 from ..ir import DEFAULT_MAX_BYTES, Network, Role
 from ..shapes import (bind_shape, check_shape, embedding_attributes, example_shape,
                       expected_axes, geometry, guard_bytes, lookup_shape, nn_attributes)
@@ -27,7 +26,7 @@ from ..language.settings import positive_limit
 from ..fit import moments
 from ..planning import calibration
 from ..planning.measure import size_class
-from ..planning.plan import PLANNERS, Plan, plan
+from ..planning.plan import Plan, check_planner, plan
 from ..emit import runtime, safe
 from ..emit.lower import Program, bias_shape, lower
 from . import autotune, fitting
@@ -36,14 +35,6 @@ from .modes import AUTOCAST_DEVICES, Replans, autocast_dtype, mode
 __all__ = ["Layer"]
 
 logger = logging.getLogger("tnspec")
-
-
-def check_planner(name: str, planner: str) -> str:
-    """``planner`` where it names one of ``PLANNERS``, else a SpecError naming the setting."""
-    if planner not in PLANNERS:
-        raise SpecError(f"unknown {name} {planner!r}",
-                        hint=f"choose one of {', '.join(sorted(PLANNERS))}")
-    return planner
 
 
 class Layer(nn.Module):

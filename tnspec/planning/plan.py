@@ -65,6 +65,14 @@ class Plan:
         return head + "\n" + "\n".join(rows)
 
 
+def check_planner(name: str, planner: str) -> str:
+    """``planner`` where it names one of ``PLANNERS``, else a SpecError naming the setting."""
+    if planner not in PLANNERS:
+        raise SpecError(f"unknown {name} {planner!r}",
+                        hint=f"choose one of {', '.join(sorted(PLANNERS))}")
+    return planner
+
+
 def plan(net: Network, planner: str = "auto", *, max_bytes: int = DEFAULT_MAX_BYTES,
          itemsize: int = 4, model: CostModel | None = None,
          choose: Chooser | None = None) -> Plan:
@@ -74,9 +82,7 @@ def plan(net: Network, planner: str = "auto", *, max_bytes: int = DEFAULT_MAX_BY
     (1x1 conv or einsum). A tensor of the forward pass (the padded input, an intermediate, the
     output) of more than ``max_bytes`` bytes, at ``itemsize`` bytes per element, is refused
     before anything is allocated."""
-    if planner not in PLANNERS:
-        raise SpecError(f"unknown planner {planner!r}",
-                        hint=f"choose one of {', '.join(sorted(PLANNERS))}")
+    check_planner("planner", planner)
     if net.lookup:  # an index input: its own planner
         return plan_lookup(net, model, max_bytes=max_bytes, itemsize=itemsize)  # type: ignore
     problem = Problem(net, model)
