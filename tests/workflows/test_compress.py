@@ -18,6 +18,7 @@ from torch import nn
 import tnspec
 from tnspec import formats
 from tnspec.fit import moments
+from tnspec.workflows.convert import observe
 from tnspec.workflows.convert.allocate import allocate
 
 from ..model_state import snapshot, unchanged
@@ -535,3 +536,16 @@ def test_the_progress_lines_say_about_how_long_is_left(ticking, caplog):
     assert len(lines) == 4 and all(", about " in line and " s left)" in line
                                    for line in lines[:-1])
     assert "left" not in lines[-1]
+
+
+def test_a_layer_whose_output_is_mean_pooled_keeps_its_sensitivity():
+    """A fit's error is ``(W - W_fit) x``: where the input is the same at every position, so
+    is the error, and a mean over the positions after the layer keeps all of it. Noise drawn
+    for each output element alone was averaged away (to an eighth over 8 x 8 positions), and
+    the allocation cut such layers (a CNN's last conv before its pool) too deep."""
+    torch.manual_seed(0)
+    conv = nn.Conv2d(6, 5, 1)
+    model = nn.Sequential(conv, nn.AdaptiveAvgPool2d(1), nn.Flatten())
+    x = torch.randn(4, 6, 1, 1).expand(4, 6, 8, 8).contiguous()
+    measured = observe.sensitivities(model, [("0", conv)], [x])
+    assert measured["0"] == pytest.approx(1.0, rel=1e-4)

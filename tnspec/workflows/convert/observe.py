@@ -10,10 +10,11 @@ from typing import Any, Callable, Mapping
 import torch
 import torch.utils._pytree
 from torch import nn
+from torch.nn import functional as F
 
 from ...errors import SpecError
 from ...fit import moments
-from ..dense_layers import is_linear
+from ..dense_layers import is_linear, weight_of
 from ..feeding import Runner, call, evaluated
 from . import replay
 
@@ -108,13 +109,19 @@ def sensitivities(model: nn.Module, layers: list[tuple[str, nn.Module]], data: l
                   run: Runner | None = None, noise: float = 0.01,
                   called: Mapping[str, nn.Module] | None = None, max_batches: int = 4,
                   left: Callable[[], float] | None = None) -> dict[str, float]:
-    """Per layer: ``||f(x; layer output + noise) - f(x)|| / (noise ||f(x)||)`` for Gaussian
-    noise of ``noise`` times the output's rms (own generator), the norms summed over the first
-    ``max_batches`` batches (``called`` as for :func:`inputs`). ``left()``: the seconds left;
-    once it is 0 no further batch is taken (the first always is) and the layers not reached
-    are left out. The blocks that return before a layer is first called are not run again
-    for it: they hand back what they returned in the unperturbed run (``replay``), which is
-    what they would compute."""
+    """Per layer: ``||f(x; layer output + e) - f(x)|| / (noise ||f(x)||)``, where ``e`` is
+    what a random weight (Gaussian, drawn once per layer by its own generator) computes from
+    the layer's input, scaled to ``noise`` times the output's rms: the norms summed over the
+    first ``max_batches`` batches (``called`` as for :func:`inputs`). A fit's error is such a
+    term, ``(W - W_fit) x``: correlated across the positions and tokens as the inputs are.
+    Noise drawn independently for each output element is not, and a mean or average pool
+    after the layer averages it away by the square root of the positions pooled, which a
+    fit's error is not (MobileNetV2's last 1x1 conv, pooled over 3x3 positions: 0.34 so,
+    0.92 with the random weight; that allocation cut it to a tenth of its parameters).
+    ``left()``: the seconds left; once it is 0 no further batch is taken (the first always
+    is) and the layers not reached are left out. The blocks that return before a layer is
+    first called are not run again for it: they hand back what they returned in the
+    unperturbed run (``replay``), which is what they would compute."""
     sample: list[Any] = []
     references: list[torch.Tensor] = []
     recorded: list[replay.Recording] = []
@@ -135,11 +142,13 @@ def sensitivities(model: nn.Module, layers: list[tuple[str, nn.Module]], data: l
             if left is not None and left() <= 0:
                 del moved[name]
                 continue
-            gen = torch.Generator().manual_seed(0)
+            term = _random_term(module, torch.Generator().manual_seed(0))
 
-            def perturb(_: nn.Module, args: tuple, y: torch.Tensor) -> torch.Tensor:
-                rms = y.pow(2).mean().sqrt()
-                return y + noise * rms * torch.randn(y.shape, generator=gen).to(y)
+            def perturb(_: nn.Module, args: tuple, y: torch.Tensor, term=term
+                        ) -> torch.Tensor:
+                e = term(args[0])
+                return y + noise * y.pow(2).mean().sqrt() / e.pow(2).mean().sqrt().clamp_min(
+                    1e-30) * e
             handle = (called or {}).get(name, module).register_forward_hook(perturb)
             try:
                 for x, reference, rec in zip(sample, references, recorded):
@@ -149,6 +158,18 @@ def sensitivities(model: nn.Module, layers: list[tuple[str, nn.Module]], data: l
             finally:
                 handle.remove()
     return {name: (m / (size + 1e-60)) ** 0.5 / noise for name, m in moved.items()}
+
+
+def _random_term(module: nn.Module, gen: torch.Generator
+                 ) -> Callable[[torch.Tensor], torch.Tensor]:
+    """What the plain layer ``module`` computes from an input with a Gaussian weight of its
+    weight's shape in place of its own and no bias (a conv with its own padding, stride and
+    groups)."""
+    shape = weight_of(module).shape
+    wrong = torch.randn(shape, generator=gen, dtype=torch.float64).to(module.weight)
+    if is_linear(module):
+        return lambda x: F.linear(x, wrong)
+    return lambda x: module._conv_forward(x, wrong, None)
 
 
 def outputs(model: nn.Module, data: list[Any], run: Runner | None = None
