@@ -101,7 +101,7 @@ def test_training_is_reproducible_from_the_seeds():
 @pytest.mark.parametrize("name", ["minilm_compress", "minilm_embedding", "mobilenet_fashion",
                                   "minilm_adapters", "minilm_inference",
                                   "mobilenet_inference", "minilm_collapse",
-                                  "mobilenet_adapters"])
+                                  "mobilenet_adapters", "mobilenet_compress"])
 def test_the_real_model_experiments_run_their_smoke_versions(name, capsys):
     """On the real checkpoints and data, a slice (about a minute each: ``--runslow``); skipped
     where an asset is not installed. tests/workflows/test_real_models.py runs the workflows
