@@ -16,10 +16,10 @@ or of the weight) and a parameter count. The allocation then solves
 exactly, as a multiple-choice knapsack (dynamic programming over parameter counts rounded up to
 a unit of at most 1/2000 of the budget, so that the budget holds without rounding error).
 ``s_l`` is the layer's sensitivity: with ``data``, how much the model's output moves, relative to
-its size, when what a random weight computes from the layer's input, at 1% of the output's
-size, is added to the layer's output: a fit's error has that form, correlated over positions
-and tokens as the inputs are (the errors of independent layers add in variance); without
-data, 1. With ``latency=True`` no layer is slower
+its size, when what a random weight computes from the layer's input (random signs on its
+channels for each sample), at 1% of the output's size, is added to the layer's output: a fit's
+error has that form, correlated over positions and tokens as the inputs are (the errors of
+independent layers add in variance); without data, 1. With ``latency=True`` no layer is slower
 than its dense one, as served (forward, no autograd, at the data's batch and at batch 1).
 """
 

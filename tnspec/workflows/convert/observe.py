@@ -110,8 +110,9 @@ def sensitivities(model: nn.Module, layers: list[tuple[str, nn.Module]], data: l
                   called: Mapping[str, nn.Module] | None = None, max_batches: int = 4,
                   left: Callable[[], float] | None = None) -> dict[str, float]:
     """Per layer: ``||f(x; layer output + e) - f(x)|| / (noise ||f(x)||)``, where ``e`` is
-    what a random weight (Gaussian, drawn once per layer by its own generator) computes from
-    the layer's input, scaled to ``noise`` times the output's rms: the norms summed over the
+    what a random weight (Gaussian, drawn once per layer by its own generator, random signs
+    on the channels for each sample: :func:`_random_term`) computes from the layer's input,
+    scaled to ``noise`` times the output's rms: the norms summed over the
     first ``max_batches`` batches (``called`` as for :func:`inputs`). A fit's error is such a
     term, ``(W - W_fit) x``: correlated across the positions and tokens as the inputs are.
     Noise drawn independently for each output element is not, and a mean or average pool
@@ -164,12 +165,27 @@ def _random_term(module: nn.Module, gen: torch.Generator
                  ) -> Callable[[torch.Tensor], torch.Tensor]:
     """What the plain layer ``module`` computes from an input with a Gaussian weight of its
     weight's shape in place of its own and no bias (a conv with its own padding, stride and
-    groups)."""
+    groups), its input and output channels multiplied by random signs drawn for each sample
+    (the first axis). One weight's term lands in a few of the output's directions, and where
+    the model's output reads few (a small head), one draw measured a layer anywhere within a
+    factor of 2.5; the signs make each sample's term independent of the others' (the
+    expectation is the same), so a batch averages as many draws as it holds samples."""
     shape = weight_of(module).shape
     wrong = torch.randn(shape, generator=gen, dtype=torch.float64).to(module.weight)
-    if is_linear(module):
-        return lambda x: F.linear(x, wrong)
-    return lambda x: module._conv_forward(x, wrong, None)
+    axis = -1 if is_linear(module) else 1  # the channels
+
+    def signs(t: torch.Tensor) -> torch.Tensor:
+        drawn = [1] * t.dim()
+        drawn[axis] = t.shape[axis]
+        if t.dim() > 1:
+            drawn[0] = t.shape[0]
+        return (torch.randint(0, 2, drawn, generator=gen) * 2 - 1).to(t)
+
+    def term(x: torch.Tensor) -> torch.Tensor:
+        x = x * signs(x)
+        e = F.linear(x, wrong) if is_linear(module) else module._conv_forward(x, wrong, None)
+        return e * signs(e)
+    return term
 
 
 def outputs(model: nn.Module, data: list[Any], run: Runner | None = None
