@@ -549,3 +549,29 @@ def test_a_layer_whose_output_is_mean_pooled_keeps_its_sensitivity():
     x = torch.randn(4, 6, 1, 1).expand(4, 6, 8, 8).contiguous()
     measured = observe.sensitivities(model, [("0", conv)], [x])
     assert measured["0"] == pytest.approx(1.0, rel=1e-4)
+
+
+@pytest.mark.parametrize("sequential", [False, True])
+def test_an_error_while_a_layer_is_perturbed_leaves_the_model_as_it_was(sequential):
+    """The sensitivity measure hooks each layer in turn to add its random weight's term; an
+    error in such a run (the first measure, or sequential's second, on the new layers) leaves
+    the model as it was by snapshot (structure, values, requires_grad, modes, ties), with no
+    hook left on any module."""
+    model = _model()
+    model[2].requires_grad_(False)
+    model[5].eval()
+    before = snapshot(model)
+    hooks = {n: len(m._forward_hooks) for n, m in model.named_modules()}
+
+    def run(m: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+        new = any(isinstance(x, tnspec.Layer) for x in m.modules())
+        perturbed = any(hook.__name__ == "perturb" for x in m.modules()  # observe's hook
+                        for hook in x._forward_hooks.values())
+        if perturbed and new == sequential:
+            raise RuntimeError("broke while perturbed")
+        return m(batch)
+    with pytest.raises(RuntimeError, match="broke while perturbed"):
+        _compress(model, 0.3, data=[torch.randn(4, 3, 8, 8)] * 2, run=run,
+                  sequential=sequential)
+    assert unchanged(before, model)
+    assert {n: len(m._forward_hooks) for n, m in model.named_modules()} == hooks
