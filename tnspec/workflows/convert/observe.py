@@ -172,18 +172,21 @@ def _random_term(module: nn.Module, gen: torch.Generator
     expectation is the same), so a batch averages as many draws as it holds samples."""
     shape = weight_of(module).shape
     wrong = torch.randn(shape, generator=gen, dtype=torch.float64).to(module.weight)
-    axis = -1 if is_linear(module) else 1  # the channels
+    linear = is_linear(module)
+    # the channels' axis, and how many axes an input without a batch axis has
+    axis, unbatched = (-1, 1) if linear else (-1 - len(module.kernel_size),
+                                              1 + len(module.kernel_size))
 
     def signs(t: torch.Tensor) -> torch.Tensor:
         drawn = [1] * t.dim()
         drawn[axis] = t.shape[axis]
-        if t.dim() > 1:
+        if t.dim() > unbatched:
             drawn[0] = t.shape[0]
         return (torch.randint(0, 2, drawn, generator=gen) * 2 - 1).to(t)
 
     def term(x: torch.Tensor) -> torch.Tensor:
         x = x * signs(x)
-        e = F.linear(x, wrong) if is_linear(module) else module._conv_forward(x, wrong, None)
+        e = F.linear(x, wrong) if linear else module._conv_forward(x, wrong, None)
         return e * signs(e)
     return term
 
