@@ -195,6 +195,25 @@ def environment() -> str:
             f"tnspec {tnspec.__version__}, scikit-learn {sklearn.__version__}")
 
 
+def svd_factors(w: torch.Tensor, moment: torch.Tensor | None, rank: int
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(first, second)``, ``(rank, in)`` and ``(out, rank)`` in float64, whose product
+    truncates the weight ``w`` ``(out, in)`` to ``rank``: its SVD (``moment`` None), or that of
+    ``W S`` with ``S`` the square root of the inputs' second moment ``moment``, damped by 1% of
+    its mean eigenvalue, mapped back by ``S^-1`` (activation-aware SVD, as SVD-LLM and ASVD).
+    Written from scratch, apart from tnspec: the baselines the experiments compare with."""
+    w = w.double()
+    inp = w.shape[1]
+    root = inverse = torch.eye(inp, dtype=torch.float64)
+    if moment is not None:
+        m = moment + 0.01 * moment.diagonal().mean() * torch.eye(inp, dtype=torch.float64)
+        values, vectors = torch.linalg.eigh(m)
+        root = (vectors * values.sqrt()) @ vectors.T
+        inverse = (vectors * values.rsqrt()) @ vectors.T
+    u, s, vh = torch.linalg.svd(w @ root, full_matrices=False)
+    return vh[:rank] @ inverse, u[:, :rank] * s[:rank]
+
+
 def save(name: str, text: str, started: float) -> Path:
     """Write ``results/NAME.md`` with the runtime and environment appended."""
     RESULTS.mkdir(exist_ok=True)

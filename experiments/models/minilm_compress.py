@@ -25,7 +25,7 @@ from torch import nn
 import tnspec
 
 from .. import assets
-from ..common import formats_chosen, markdown_table, save
+from ..common import formats_chosen, markdown_table, save, svd_factors
 
 ENCODER = "encoder."  # the layers compressed: the encoder's (smoke: its last block's)
 BUDGETS = (0.75, 0.5, 0.25)
@@ -78,19 +78,11 @@ def low_rank(model: nn.Module, budget: float, moments: dict[str, torch.Tensor] |
         out, inp = lin.weight.shape
         rank = max(1, int((budget * (out * inp + out) - out) // (out + inp)))
         w = lin.weight.detach().double()
-        if moments is None:
-            root = inverse = torch.eye(inp, dtype=torch.float64)
-        else:
-            m = moments[name]
-            m = m + 0.01 * m.diagonal().mean() * torch.eye(inp, dtype=torch.float64)
-            values, vectors = torch.linalg.eigh(m)
-            root = (vectors * values.sqrt()) @ vectors.T
-            inverse = (vectors * values.rsqrt()) @ vectors.T
-        u, s, vh = torch.linalg.svd(w @ root, full_matrices=False)
+        a, b = svd_factors(w, None if moments is None else moments[name], rank)
         first, second = factored(w, lin.bias, rank)
         with torch.no_grad():
-            first.weight.copy_((vh[:rank] @ inverse).float())
-            second.weight.copy_((u[:, :rank] * s[:rank]).float())
+            first.weight.copy_(a.float())
+            second.weight.copy_(b.float())
             if lin.bias is not None:
                 second.bias.copy_(lin.bias)
         parent, _, child = name.rpartition(".")

@@ -26,7 +26,7 @@ import tnspec
 from .. import assets
 from . import mobilenet
 from .mobilenet_fashion import _pooled, params_of, pointwise, probe
-from ..common import formats_chosen, markdown_table, save
+from ..common import formats_chosen, markdown_table, save, svd_factors
 
 FORMATS = ("low_rank", "cp", "tucker2", "tt", "tr")
 
@@ -63,20 +63,13 @@ def svd(model: nn.Module, budget: float, moments: dict[str, torch.Tensor] | None
             continue
         out, inp = conv.out_channels, conv.in_channels
         rank = max(1, int(budget * out * inp // (out + inp)))
-        w = conv.weight.detach().double().reshape(out, inp)
-        root = inverse = torch.eye(inp, dtype=torch.float64)
-        if moments is not None:
-            m = moments[name]
-            m = m + 0.01 * m.diagonal().mean() * torch.eye(inp, dtype=torch.float64)
-            values, vectors = torch.linalg.eigh(m)
-            root = (vectors * values.sqrt()) @ vectors.T
-            inverse = (vectors / values.sqrt()) @ vectors.T
-        u, s, vh = torch.linalg.svd(w @ root, full_matrices=False)
+        a, b = svd_factors(conv.weight.detach().reshape(out, inp),
+                           None if moments is None else moments[name], rank)
         first = nn.Conv2d(inp, rank, 1, bias=False)
         second = nn.Conv2d(rank, out, 1, bias=conv.bias is not None)
         with torch.no_grad():
-            first.weight.copy_((vh[:rank] @ inverse).reshape(rank, inp, 1, 1))
-            second.weight.copy_((u[:, :rank] * s[:rank]).reshape(out, rank, 1, 1))
+            first.weight.copy_(a.reshape(rank, inp, 1, 1))
+            second.weight.copy_(b.reshape(out, rank, 1, 1))
             if conv.bias is not None:
                 second.bias.copy_(conv.bias)
         parent, _, child = name.rpartition(".")
