@@ -146,10 +146,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="a tiny version (seconds)")
     parser.add_argument("--allocation", type=float, nargs="+", metavar="BUDGET",
-                        help="only these budgets: the two SVDs and compress with its default "
-                             "shares, shares from 0.1 to 0.5 and one share (the budget), "
-                             "written to results/minilm_compress_allocation.md (~8 min a "
-                             "budget)")
+                        help="only these budgets: the two SVDs and compress by default "
+                             "(each layer at the budget) and with shares=SHARES (a rank per "
+                             "layer), written to results/minilm_compress_allocation.md (~8 min "
+                             "a budget)")
     args = parser.parse_args(argv)
     prefix = "encoder.layer.5." if args.smoke else ENCODER
     started = time.time()
@@ -197,12 +197,11 @@ def main(argv: list[str] | None = None) -> int:
             methods = {name: methods[name] for name in (
                 "truncated SVD (weight-only)", "activation-aware SVD",
                 "tnspec.compress with data")}
-            for label, shares in (("shares 0.1-0.5", (0.1, 0.2, 0.35, 0.5)),
-                                  (f"one share, {budget:g}", (budget,))):
-                methods[f"tnspec.compress with data, {label}"] = \
-                    lambda shares=shares: tnspec.compress(
-                        copy.deepcopy(model), budget, data=batches, include=prefix + "*",
-                        **{**small, "shares": shares})
+            methods["tnspec.compress with data, shares=SHARES (a rank per layer)"] = \
+                lambda: tnspec.compress(copy.deepcopy(model), budget, data=batches,
+                                        include=prefix + "*",
+                                        **{"shares": tnspec.workflows.convert.compress.SHARES,
+                                           **small})
         for method, make in methods.items():
             t = time.time()
             made = make()

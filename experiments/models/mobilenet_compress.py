@@ -1,5 +1,6 @@
 """MobileNetV2's 1x1 convs compressed to 25%, 50% and 75% of their parameters: ``tnspec.compress``
-with data (its default shares, and one share, the budget, for every layer) against per-layer
+with data (by default every layer at the budget's share; and with ``shares=SHARES``, a rank
+per layer by its sensitivity, the default before) against per-layer
 truncated SVD (weight-only) and activation-aware SVD (the SVD of
 ``W`` whitened by the inputs' second moment, as SVD-LLM and ASVD do), each at the same
 parameters, in one run. Measured by the accuracy of a logistic-regression probe on the frozen
@@ -29,6 +30,7 @@ from .mobilenet_fashion import _pooled, params_of, pointwise, probe
 from ..common import formats_chosen, markdown_table, save, svd_factors
 
 FORMATS = ("low_rank", "cp", "tucker2", "tt", "tr")
+SHARES = tnspec.workflows.convert.compress.SHARES  # the grid that was the default before
 
 
 def second_moments(model: nn.Module, batches: list[torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -104,11 +106,11 @@ def main(argv: list[str] | None = None) -> int:
     formats = FORMATS[:2] if args.smoke else FORMATS
     for budget in args.budgets:
         for label in ("truncated SVD (weight-only)", "activation-aware SVD",
-                      "tnspec.compress with data", f"tnspec.compress with data, one share "
-                      f"(shares=({budget:g},))"):
+                      "tnspec.compress with data (default: each layer at the budget)",
+                      "tnspec.compress with data, shares=SHARES (a rank per layer)"):
             t = time.time()
             if label.startswith("tnspec"):
-                shares = {"shares": (budget,)} if "one share" in label else {}
+                shares = {"shares": SHARES} if "SHARES" in label else {}
                 small, report = tnspec.compress(copy.deepcopy(model), budget, data=batches,
                                                 include=pointwise, formats=formats,
                                                 run=_pooled, max_seconds=240, **shares)

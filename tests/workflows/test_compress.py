@@ -575,3 +575,54 @@ def test_an_error_while_a_layer_is_perturbed_leaves_the_model_as_it_was(sequenti
                   sequential=sequential)
     assert unchanged(before, model)
     assert {n: len(m._forward_hooks) for n, m in model.named_modules()} == hooks
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(48, 96), nn.ReLU(), nn.Linear(96, 96), nn.ReLU(),
+                         nn.Linear(96, 48))
+
+
+def test_by_default_every_replaced_layer_holds_the_budgets_share():
+    """``shares=None``: each layer at the budget's share of its parameters, its format chosen
+    (or dense where the rounding leaves room); a tuple of shares lets the allocation give
+    each layer its own rank (on MiniLM and MobileNetV2 the cuts below the budget cost a probe
+    on the features 0.5-2.4 points)."""
+    x = torch.randn(64, 48)
+    _, report = tnspec.compress(_mlp(), 0.4, ("low_rank", "cp"), data=[x], fit=FAST)
+    assert {c.chosen.share for c in report.choices if c.chosen.format != "dense"} == {0.4}
+    assert all(o.share in (0.4, 0.05, 1.0) for c in report.choices for o in c.candidates)
+    assert report.params_after <= 0.4 * report.params_before
+    _, spread = tnspec.compress(_mlp(), 0.4, ("low_rank",), data=[x], fit=FAST,
+                                shares=(0.1, 0.4, 0.7))
+    assert {o.share for c in spread.choices for o in c.candidates} == {0.1, 0.4, 0.7, 1.0}
+
+
+def test_where_the_budgets_share_cannot_hold_the_budget_smaller_shares_are_fitted(caplog):
+    """A layer left dense (here: latency finds its candidate slower than dense), or biases
+    kept whole, leave the others more than the budget at its share: then the smaller shares of ``SHARES`` are fitted
+    and allocated too, and the progress says so; with ``shares`` given, it is an error."""
+    import logging
+    x = torch.randn(64, 48)
+
+    def timer(module: nn.Module, shape: tuple[int, ...]) -> float:
+        slow = isinstance(module, tnspec.Layer) and module.out_features == 48
+        return 1.0 if slow else 0.5  # the last layer's candidates are slower than dense
+    with caplog.at_level(logging.INFO, logger="tnspec"):
+        _, report = tnspec.compress(_mlp(), 0.5, ("low_rank",), data=[x], fit=FAST,
+                                    latency=True, timer=timer)
+    assert any("does not hold with every layer at 0.5" in r.getMessage()
+               for r in caplog.records)
+    chosen = {c.name: c.chosen for c in report.choices}
+    assert chosen["4"].format == "dense" and report.params_after <= 0.5 * report.params_before
+    assert min(chosen["0"].share, chosen["2"].share) < 0.5
+    with pytest.raises(tnspec.SpecError, match="below what the smallest candidates need"):
+        tnspec.compress(_mlp(), 0.5, ("low_rank",), data=[x], fit=FAST, latency=True,
+                        timer=timer, shares=(0.5,))
+
+
+@pytest.mark.parametrize("shares, why", [((), r"\(\)"), ((0.5, 1.5), r"\(0.5, 1.5\)"),
+                                         (0.5, "0.5"), (("a",), r"\('a',\)")])
+def test_shares_that_are_no_shares_are_refused(shares, why):
+    with pytest.raises(tnspec.SpecError, match=f"shares={why}.*must be a tuple of shares"):
+        tnspec.compress(_mlp(), 0.4, shares=shares)

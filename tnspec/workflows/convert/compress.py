@@ -1,8 +1,9 @@
 """``tnspec.compress``: a trained model at a parameter budget, with the format and rank of each
 layer chosen to lose the least, each candidate fitted to the data the layer sees.
 
-For every replaceable layer (as :func:`tnspec.tensorize` selects them) a grid of candidates
-(formats x rank shares) is fitted to the trained weight: to the layer's outputs on the inputs that
+For every replaceable layer (as :func:`tnspec.tensorize` selects them) candidates (each format
+at the budget's share of the layer's parameters by default, or at each of ``shares``) are fitted
+to the trained weight: to the layer's outputs on the inputs that
 reach it where ``data`` is given (:meth:`Layer.fit_` with ``inputs``; for a low-rank, CP or
 Tucker-2 linear layer in closed form, the truncated SVD in the inputs' metric), to the weight
 otherwise. The formats are fitted one after the other over all layers, so that a time budget
@@ -36,20 +37,19 @@ from ...progress import Progress, now
 from ...nn import formats as format_names
 from ...nn.module import Layer
 from ..adapted import adapted_parts
-from ..dense_layers import check_forward, is_dense, never_replaced, weight_of
+from ..dense_layers import check_forward, is_dense, never_replaced
 from ..feeding import Runner
 from ..left_alone import read_directly, tied
-from ..padded import Reading
-from ..model_tree import (Selector, first_skipped, selected, set_all, set_submodule,
-                          set_where_other)
+from ..padded import put_back, stand_in
+from ..model_tree import Selector, first_skipped, selected, set_all, set_where_other
 from . import heal as healing
 from . import observe
 from . import sequential as sequential_fit
 from . import threads as threads_
-from .allocate import allocate
+from .allocate import allocate, shares_to_fit
 from .report import Candidate, Choice, CompressReport
 from .timing import Clock, Timer, drop_slower, latency_timer
-from .tensorize import _keep_state, _replacement
+from .tensorize import _replacement, fitted
 
 FORMATS = ("low_rank", "cp", "tucker2", "tt", "tr")  # the cheaper fits first
 SHARES = (0.05, 0.1, 0.2, 0.35, 0.5, 0.75)
@@ -60,7 +60,7 @@ FIT = {"starts": 1, "hops": 0, "max_iter": 30, "tol": 1e-4, "max_seconds": 10.0,
 def compress(model: nn.Module, budget: float = 0.25, formats: Sequence[str] = FORMATS, *,
              data: torch.Tensor | Iterable[Any] | None = None, include: Selector = None,
              exclude: Selector = None, latency: bool | str = False,
-             shares: Sequence[float] = SHARES, fit: Mapping[str, Any] | None = None,
+             shares: Sequence[float] | None = None, fit: Mapping[str, Any] | None = None,
              max_batches: int = 8,
              run: Runner | None = None, max_seconds: float | None = None,
              prune: bool = True, timer: Timer | None = None, sequential: bool = False,
@@ -71,6 +71,15 @@ def compress(model: nn.Module, budget: float = 0.25, formats: Sequence[str] = FO
     ``formats`` at one of ``shares`` of their parameters, or keep them dense, so that the
     replaced layers hold at most ``budget`` times their dense parameters (exactly, biases
     included) and the predicted loss is least (the module docstring gives the rule).
+
+    ``shares=None`` (the default): every layer at ``budget`` of its parameters, in the format
+    that fits it best (or dense where the budget leaves room); only where that cannot hold the
+    budget (a layer no format fits within the share, or left dense by ``latency``) are the
+    smaller of ``SHARES`` fitted too. A tuple of shares lets the allocation give each layer
+    its own rank by its sensitivity: closer to the original's outputs (MiniLM's embeddings at
+    50%: cosine 0.827 against 0.788 at one share) but worse for a head trained afresh on the
+    features (a probe 0.5-2.4 points lower on MiniLM and MobileNetV2; the cuts it makes below
+    the budget are what costs).
 
     ``data``: what the model is fed: a tensor, a dict, or an iterable of batches, each a tensor
     (``model(x)``), a tuple (``model(*batch)``) or a dict (``model(**batch)``, as a Hugging Face
@@ -140,6 +149,7 @@ def compress(model: nn.Module, budget: float = 0.25, formats: Sequence[str] = FO
         raise SpecError(f"fit= has no option {unknown[0]!r}",
                         hint=f"the options are {', '.join(FIT)}")
     options = {**FIT, **dict(fit or {})}
+    grid, lower = shares_to_fit(shares, budget, SHARES)
     threads_.check(threads)
     other = never_replaced(model)
     left_alone = {**read_directly(model), **tied(model), **adapted_parts(model)}
@@ -178,7 +188,7 @@ def compress(model: nn.Module, budget: float = 0.25, formats: Sequence[str] = FO
                             "batches with at least one")
     torch_threads = torch.get_num_threads()
     # while it runs, the model calls the plain conv each such subclass computes
-    _stand_in(model, stand_ins)
+    stand_in(model, stand_ins)
     try:
         on_threads = threads_.use(threads, model)
         progress = Progress("compress")
@@ -236,7 +246,7 @@ def compress(model: nn.Module, budget: float = 0.25, formats: Sequence[str] = FO
             if same in networks[name]:
                 return None
             networks[name].add(same)
-            cand = _fitted(module, new, fmt, share, metric,
+            cand = fitted(module, new, fmt, share, metric,
                            {**options, "max_seconds": min(options["max_seconds"] or math.inf,
                                                           left)})
             if cand.params >= dense_params:
@@ -244,59 +254,73 @@ def compress(model: nn.Module, budget: float = 0.25, formats: Sequence[str] = FO
             options_here.append((cand, new))
             return cand
 
-        # first, every layer's smallest candidate of the first format (seconds for a whole encoder
-        # in low rank): an allocation within the budget exists however soon max_seconds ends
+        # first, every layer's smallest candidate of the first format (seconds for a whole
+        # encoder in low rank): an allocation within the budget exists however soon max_seconds
+        # ends (by default that share is only allocated where the budget's does not hold it)
         for (name, module), (_, dense_params, options_here, _, dense_seconds) in \
                 zip(layers, choices):
             left = clock.left(deadline)
             if left > 0:
                 candidate(name, module, options_here, dense_params, dense_seconds, formats[0],
-                          min(shares), left)
-        # then format by format over all layers: under a time budget every layer has the first
-        # formats' candidates before any has the last's
-        pruned, pairs, fitting = 0, len(formats) * len(layers), clock.read
-        for f, fmt in enumerate(formats):
-            for j, ((name, module), (_, dense_params, options_here, _, dense_seconds)) in \
-                    enumerate(zip(layers, choices)):
-                count, beaten = 0, 0
-                for k, share in enumerate(sorted(shares)):
-                    left = clock.left(deadline)
-                    if left <= 0:
-                        unfitted += 1
-                        continue
-                    if prune and beaten == 2 == k:  # beaten at its two smallest shares
-                        pruned += len(shares) - k
-                        break
-                    cand = candidate(name, module, options_here, dense_params, dense_seconds, fmt,
-                                     share, left)
-                    if cand is None:
-                        if fmt == formats[0] and k == 0:  # the floor pass fitted it
-                            count += any(c.format == fmt and c.share == share
-                                         for c, _ in options_here)
-                        continue
-                    beaten += any(c.format not in ("dense", fmt) and c.share == share and
-                                  c.error <= cand.error for c, _ in options_here if c is not cand)
-                    count += 1
-                done = f * len(layers) + j + 1
-                # at the pace so far (a ring's later fits are often slower), capped by max_seconds
-                clock.left(deadline)  # read only while there is time left
-                at = clock.read
-                ahead = min((at - fitting) * (pairs - done) / done, max(deadline - at, 0))
-                progress.line(f"{name}: {count} {fmt} candidate(s) fitted "
-                              f"({at - started:.0f} s so far"
-                              + (f", about {ahead:.0f} s left)" if done < pairs else ")"))
+                          min((*grid, *lower)), left)
+        pruned, fitting = 0, clock.read
+
+        def fit_grid(grid: Sequence[float]) -> None:
+            """Format by format over all layers, each at ``grid``'s shares: under a time budget
+            every layer has the first formats' candidates before any has the last's."""
+            nonlocal unfitted, pruned
+            pairs = len(formats) * len(layers)
+            for f, fmt in enumerate(formats):
+                for j, ((name, module), (_, dense_params, options_here, _, dense_seconds)) in \
+                        enumerate(zip(layers, choices)):
+                    count, beaten = 0, 0
+                    for k, share in enumerate(sorted(grid)):
+                        left = clock.left(deadline)
+                        if left <= 0:
+                            unfitted += 1
+                            continue
+                        if prune and beaten == 2 == k:  # beaten at its two smallest shares
+                            pruned += len(grid) - k
+                            break
+                        cand = candidate(name, module, options_here, dense_params,
+                                         dense_seconds, fmt, share, left)
+                        if cand is None:
+                            if fmt == formats[0] and k == 0:  # the floor pass fitted it
+                                count += any(c.format == fmt and c.share == share
+                                             for c, _ in options_here)
+                            continue
+                        beaten += any(c.format not in ("dense", fmt) and c.share == share and
+                                      c.error <= cand.error for c, _ in options_here
+                                      if c is not cand)
+                        count += 1
+                    done = f * len(layers) + j + 1
+                    # at the pace so far (a ring's later fits are often slower), capped by
+                    # max_seconds
+                    clock.left(deadline)  # read only while there is time left
+                    at = clock.read
+                    ahead = min((at - fitting) * (pairs - done) / done, max(deadline - at, 0))
+                    progress.line(f"{name}: {count} {fmt} candidate(s) fitted "
+                                  f"({at - started:.0f} s so far"
+                                  + (f", about {ahead:.0f} s left)" if done < pairs else ")"))
+
+        fit_grid(grid)
 
         shapes = {name: seen.get(name, (None, None))[0] for name, _ in layers}
 
-        def allocated(sensitivities: Mapping[str, float] | None) -> tuple[list[int], bool]:
-            """The picks per layer, and whether they are over the budget. With ``latency``,
-            the picks are timed and the allocation redone without those slower than dense."""
+        def allocated(sensitivities: Mapping[str, float] | None, tier: Sequence[float]
+                      ) -> tuple[list[int], bool]:
+            """The picks per layer among the dense layer and the candidates at ``tier``'s
+            shares, and whether they are over the budget. With ``latency``, the picks are timed
+            and the allocation redone without those slower than dense."""
             slower = 0
             while True:
-                items = [[(c.params, ((sensitivities or {}).get(name, s) * c.error) ** 2)
-                          for c, _ in opts] for name, _, opts, s, _ in choices]
+                among = [[k for k, (c, _) in enumerate(opts) if k == 0 or c.share in tier]
+                         for _, _, opts, _, _ in choices]
+                items = [[(opts[k][0].params,
+                           ((sensitivities or {}).get(name, s) * opts[k][0].error) ** 2)
+                          for k in ks] for ks, (name, _, opts, s, _) in zip(among, choices)]
                 try:
-                    picks = allocate(items, budget)
+                    picks = [ks[k] for ks, k in zip(among, allocate(items, budget))]
                 except SpecError as exc:
                     if slower:  # latency left too few candidates
                         raise SpecError(exc.message, hint=f"latency={latency!r} left out "
@@ -305,8 +329,8 @@ def compress(model: nn.Module, budget: float = 0.25, formats: Sequence[str] = FO
                     if max_seconds is None or unfitted == 0:
                         raise  # the budget is below what the formats can do, not what time
                     # bounded by time: the smallest fitted candidate of each layer, over it
-                    return [min(range(len(layer)), key=lambda k: layer[k][0])
-                            for layer in items], True
+                    return [ks[min(range(len(layer)), key=lambda k: layer[k][0])]
+                            for ks, layer in zip(among, items)], True
                 dropped, untimed = drop_slower(choices, picks, times_of, shapes,
                                                lambda: clock.left(end)) if latency else (0, 0)
                 if not dropped:
@@ -321,7 +345,18 @@ def compress(model: nn.Module, budget: float = 0.25, formats: Sequence[str] = FO
             return {name: opts[k][1] for (name, _, opts, _, _), k in zip(choices, picks)
                     if opts[k][1] is not None}
 
-        picks, over_budget = allocated(None)
+        try:
+            picks, over_budget = allocated(None, grid)
+        except SpecError:
+            if not lower:  # shares given, or none below the budget
+                raise
+            over_budget = True
+        if over_budget and lower:
+            progress.line(f"the budget does not hold with every layer at {budget:g} of its "
+                          f"parameters: fitting {', '.join(f'{s:g}' for s in lower)} too")
+            fitting, grid = clock.read, (*grid, *lower)
+            fit_grid(lower)
+            picks, over_budget = allocated(None, grid)
         new = chosen(picks)
         set_all(model, new)
         refits, healed = (), None
@@ -330,7 +365,7 @@ def compress(model: nn.Module, budget: float = 0.25, formats: Sequence[str] = FO
                 refits_end = end - 0.2 * bool(heal) * (max_seconds or 0)
                 again = observe.sensitivities(model, layers, data, run, called={**called, **new},
                                               left=lambda: clock.left(refits_end))
-                picks, over_budget = allocated(again)
+                picks, over_budget = allocated(again, grid)
                 set_where_other(model, {**called, **chosen(picks)})
                 new = chosen(picks)
                 for i, (name, dense_params, opts, s, seconds) in enumerate(choices):
@@ -352,42 +387,14 @@ def compress(model: nn.Module, budget: float = 0.25, formats: Sequence[str] = FO
                               dense_seconds[0] if dense_seconds else None)
                        for (name, dense_params, opts, s, dense_seconds), k in zip(choices, picks)]
     except BaseException:
-        _put_back(model, stand_ins, set())
+        put_back(model, stand_ins, set())
         raise
     finally:
         torch.set_num_threads(torch_threads)
-    _put_back(model, stand_ins, {name for (name, _, opts, _, _), k in zip(choices, picks)
+    put_back(model, stand_ins, {name for (name, _, opts, _, _), k in zip(choices, picks)
                                  if opts[k][1] is not None})
     progress.close()
     return model, CompressReport(budget, tuple(report_rows), tuple(skipped), data is not None,
                                  now() - started, unfitted=unfitted, other=other,
                                  pruned=pruned, over_budget=over_budget, refits=refits,
                                  healed=healed, threads=on_threads)
-
-
-def _fitted(module: nn.Module, new: Layer, fmt: str, share: float, metric: torch.Tensor | None,
-            options: Mapping[str, Any]) -> Candidate:
-    """``new`` fitted to ``module`` (its bias copied, its flags kept) as a candidate."""
-    error = new._fit(weight_of(module).detach(), metric, **options)
-    if module.bias is not None:
-        with torch.no_grad():
-            new.bias.copy_(module.bias.reshape(new.bias.shape))
-    _keep_state(module, new)  # frozen stays frozen, and is timed so
-    return Candidate(fmt, share, sum(p.numel() for p in new.parameters()), error)
-
-
-StandIns = Mapping[str, tuple[nn.Module, Reading, str]]  # name: (subclass, reading, layer)
-
-
-def _stand_in(model: nn.Module, stand_ins: StandIns) -> None:
-    """Set the plain layer each read subclass computes (in a Padded where it pads) at its
-    name."""
-    for name, (_, read, _) in stand_ins.items():
-        set_submodule(model, name, read.around(read.layer))
-
-
-def _put_back(model: nn.Module, stand_ins: StandIns, replaced: set[str]) -> None:
-    """Set each read subclass back at its name, where its layer was not replaced."""
-    for name, (original, _, layer) in stand_ins.items():
-        if layer not in replaced:
-            set_submodule(model, name, original)

@@ -29,6 +29,7 @@ from ..model_tree import Selector, selected, set_submodule
 from ..stand_ins import TensorizedConv, TensorizedLinear
 from . import threads as threads_
 from .activations import following_activations
+from .report import Candidate
 
 
 @dataclass(frozen=True)
@@ -379,3 +380,15 @@ def _smallest(module: nn.Module, format: str, init: str, activation: str | float
                         f"{sum(p.numel() for p in best.parameters()):,} parameters, not fewer "
                         f"than the dense layer's {dense:,}")
     return best, best_error
+
+
+def fitted(module: nn.Module, new: Layer, fmt: str, share: float, metric: torch.Tensor | None,
+           options: Mapping[str, Any]) -> Candidate:
+    """``new`` fitted to ``module`` (its bias copied, its flags kept) as ``compress``'s
+    candidate."""
+    error = new._fit(weight_of(module).detach(), metric, **options)
+    if module.bias is not None:
+        with torch.no_grad():
+            new.bias.copy_(module.bias.reshape(new.bias.shape))
+    _keep_state(module, new)  # frozen stays frozen, and is timed so
+    return Candidate(fmt, share, sum(p.numel() for p in new.parameters()), error)
