@@ -101,7 +101,8 @@ def test_training_is_reproducible_from_the_seeds():
 @pytest.mark.parametrize("name", ["minilm_compress", "minilm_embedding", "mobilenet_fashion",
                                   "minilm_adapters", "minilm_inference",
                                   "mobilenet_inference", "minilm_collapse",
-                                  "mobilenet_adapters", "mobilenet_compress"])
+                                  "mobilenet_adapters", "mobilenet_compress",
+                                  "mobilenet_compress --heal"])
 def test_the_real_model_experiments_run_their_smoke_versions(name, capsys):
     """On the real checkpoints and data, a slice (about a minute each: ``--runslow``); skipped
     where an asset is not installed. tests/workflows/test_real_models.py runs the workflows
@@ -109,9 +110,10 @@ def test_the_real_model_experiments_run_their_smoke_versions(name, capsys):
     import importlib
 
     from experiments import assets
+    name, *options = name.split()
     module = importlib.import_module(f"experiments.models.{name}")
     try:
-        assert module.main(["--smoke"]) == 0
+        assert module.main(["--smoke", *options]) == 0
     except assets.Missing as exc:
         pytest.skip(str(exc))
     out = capsys.readouterr().out
