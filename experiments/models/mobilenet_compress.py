@@ -9,7 +9,7 @@ a point is about 25 of the 1,000 images a 3-sigma difference needs; ``mobilenet_
 1,000). The data-aware methods see the first 256 training images (8 batches of 32), and
 ``compress`` keeps the pooled features (``run=``), which the probe reads.
 
-    python -m experiments.models.mobilenet_compress          # ~22 min on 2 cores
+    python -m experiments.models.mobilenet_compress          # ~16 min on 2 cores
     python -m experiments.models.mobilenet_compress --smoke
     python -m experiments.models.mobilenet_compress --heal --budgets 0.5   # healing: ~6 min
 """

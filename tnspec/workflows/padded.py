@@ -24,13 +24,10 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Mapping
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-from .model_tree import set_submodule
 
 #: the epsilons tried for a standardized weight, after the layer's own ``eps``
 EPSILONS = (1e-5, 1e-6, 1e-8, 1e-10, 0.0)
@@ -229,20 +226,3 @@ def _plain(module: nn.Module, base: type, padding: tuple[int, ...],
     plain.bias = module.bias
     plain.train(module.training)
     return plain
-
-
-StandIns = Mapping[str, tuple[nn.Module, Reading, str]]  # name: (subclass, reading, layer)
-
-
-def stand_in(model: nn.Module, stand_ins: StandIns) -> None:
-    """Set the plain layer each read subclass computes (in a Padded where it pads) at its
-    name."""
-    for name, (_, read, _) in stand_ins.items():
-        set_submodule(model, name, read.around(read.layer))
-
-
-def put_back(model: nn.Module, stand_ins: StandIns, replaced: set[str]) -> None:
-    """Set each read subclass back at its name, where its layer was not replaced."""
-    for name, (original, _, layer) in stand_ins.items():
-        if layer not in replaced:
-            set_submodule(model, name, original)

@@ -40,12 +40,12 @@ from ..adapted import adapted_parts
 from ..dense_layers import check_forward, is_dense, never_replaced
 from ..feeding import Runner
 from ..left_alone import read_directly, tied
-from ..padded import put_back, stand_in
 from ..model_tree import Selector, first_skipped, selected, set_all, set_where_other
 from . import heal as healing
 from . import observe
 from . import sequential as sequential_fit
 from . import threads as threads_
+from .plain_convs import put_back, stand_in
 from .allocate import allocate, shares_to_fit
 from .report import Candidate, Choice, CompressReport
 from .timing import Clock, Timer, drop_slower, latency_timer
