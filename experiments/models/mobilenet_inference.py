@@ -12,7 +12,7 @@ size and keeps the pooled features. Then, at batch 1, each compressed layer agai
 conv it replaced on the input it gets inside the model (recorded by a hook), interleaved: what
 the layers save in place, beside the whole forward's time.
 
-    python -m experiments.models.mobilenet_inference            # about 4 minutes on 2 cores
+    python -m experiments.models.mobilenet_inference            # about 7 minutes on 2 cores
     python -m experiments.models.mobilenet_inference --smoke    # the tests run it (seconds)
 """
 
