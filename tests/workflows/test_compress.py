@@ -616,9 +616,15 @@ def test_where_the_budgets_share_cannot_hold_the_budget_smaller_shares_are_fitte
     chosen = {c.name: c.chosen for c in report.choices}
     assert chosen["4"].format == "dense" and report.params_after <= 0.5 * report.params_before
     assert min(chosen["0"].share, chosen["2"].share) < 0.5
-    with pytest.raises(tnspec.SpecError, match="below what the smallest candidates need"):
-        tnspec.compress(_mlp(), 0.5, ("low_rank",), data=[x], fit=FAST, latency=True,
-                        timer=timer, shares=(0.5,))
+    # raising at the allocation (shares given; or the default, after the smaller shares were
+    # fitted too) leaves the model as it was
+    for budget, shares in ((0.5, {"shares": (0.5,)}), (0.06, {})):
+        model = _mlp()
+        before = snapshot(model)
+        with pytest.raises(tnspec.SpecError, match="below what the smallest candidates need"):
+            tnspec.compress(model, budget, ("low_rank",), data=[x], fit=FAST, latency=True,
+                            timer=timer, **shares)
+        assert unchanged(before, model)
 
 
 @pytest.mark.parametrize("shares, why", [((), r"\(\)"), ((0.5, 1.5), r"\(0.5, 1.5\)"),
