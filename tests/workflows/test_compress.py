@@ -598,6 +598,32 @@ def test_by_default_every_replaced_layer_holds_the_budgets_share():
     assert {o.share for c in spread.choices for o in c.candidates} == {0.1, 0.4, 0.7, 1.0}
 
 
+def test_a_format_far_behind_at_the_first_two_layers_of_a_shape_is_not_fitted_at_the_others():
+    """``prune``: four 32 -> 32 linears and a 32 -> 16 one. The ring's error is over 1.5 times
+    low-rank's or TT's at the first two 32 x 32 layers, so it is not fitted at the other two;
+    TT wins at the second, so it stays; the 32 -> 16 layer is of another shape, so both are
+    fitted there."""
+    def model() -> nn.Module:
+        torch.manual_seed(1)
+        return nn.Sequential(*[nn.Linear(32, 32) for _ in range(4)], nn.Linear(32, 16))
+    torch.manual_seed(0)
+    x = torch.randn(128, 32) * torch.logspace(0, -2, 32)
+    fitted = {}
+    for prune in (False, True):
+        _, fitted[prune] = tnspec.compress(model(), 0.5, ("low_rank", "tt", "tr"), data=[x],
+                                           fit=FAST, prune=prune)
+    every = {c.name: {o.format: o.error for o in c.candidates} for c in fitted[False].choices}
+    for name in "01":  # what the rule reads: the ring far behind at both, TT not at the second
+        assert 1.5 * min(every[name]["low_rank"], every[name]["tt"]) <= every[name]["tr"]
+    assert every["1"]["tt"] < every["1"]["low_rank"]
+    pruned = {c.name: {o.format: o.error for o in c.candidates} for c in fitted[True].choices}
+    assert fitted[False].pruned == 0 and fitted[True].pruned == 2
+    for name in every:
+        left_out = {"tr"} if name in "23" else set()
+        assert pruned[name] == {f: e for f, e in every[name].items() if f not in left_out}
+    assert "2 candidate(s) not fitted" in str(fitted[True])
+
+
 def test_where_the_budgets_share_cannot_hold_the_budget_smaller_shares_are_fitted(caplog):
     """A layer left dense (here: latency finds its candidate slower than dense), or biases
     kept whole, leave the others more than the budget at its share: then the smaller shares of ``SHARES`` are fitted

@@ -15,7 +15,6 @@ fallbacks, and the cheapest pick that fits in exact parameters is the answer."""
 from __future__ import annotations
 
 import math
-from typing import Sequence
 
 import numpy as np
 
@@ -96,17 +95,3 @@ def _solve(items: Items, capacity: int, unit: int, up: bool) -> list[int] | None
         end -= count(layer[k][0])
     return picks[::-1]
 
-
-def shares_to_fit(shares: Sequence[float] | None, budget: float, lower_shares: Sequence[float]
-                  ) -> tuple[tuple[float, ...], tuple[float, ...]]:
-    """``compress``'s shares: those fitted first, and those fitted only where the first cannot
-    hold the budget (``shares=None``: the budget, then the smaller of ``lower_shares``)."""
-    if shares is None:
-        return (budget,), tuple(s for s in lower_shares if s < budget)
-    if isinstance(shares, (str, int, float)) or not shares or any(
-            isinstance(s, bool) or not isinstance(s, (int, float)) or not 0 < s <= 1
-            for s in shares):
-        raise SpecError(f"shares={shares!r} must be a tuple of shares of a layer's parameters",
-                        hint="numbers in (0, 1], e.g. shares=(0.1, 0.25, 0.5), or None: every "
-                        "layer at the budget")
-    return tuple(shares), ()

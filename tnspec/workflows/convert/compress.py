@@ -7,8 +7,9 @@ to the trained weight: to the layer's outputs on the inputs that
 reach it where ``data`` is given (:meth:`Layer.fit_` with ``inputs``; for a low-rank, CP or
 Tucker-2 linear layer in closed form, the truncated SVD in the inputs' metric), to the weight
 otherwise. The formats are fitted one after the other over all layers, so that a time budget
-leaves every layer the cheap ones; a format beaten at a layer's two smallest shares is not fitted
-at its larger ones. Each candidate has a relative error ``e`` (of the outputs,
+leaves every layer the cheap ones; a format beaten before (at a layer's two smallest shares, far
+behind at the first two layers of a kind and shape) is not fitted there again (``pruning``). Each
+candidate has a relative error ``e`` (of the outputs,
 or of the weight) and a parameter count. The allocation then solves
 
     minimize  sum_l  s_l^2 e_l^2   over one choice per layer (a candidate, or the dense layer)
@@ -34,19 +35,20 @@ from torch import nn
 
 from ...errors import SpecError
 from ...progress import Progress, now
-from ...nn import formats as format_names
 from ...nn.module import Layer
 from ..adapted import adapted_parts
 from ..dense_layers import check_forward, is_dense, never_replaced
 from ..feeding import Runner
 from ..left_alone import read_directly, tied
 from ..model_tree import Selector, first_skipped, selected, set_all, set_where_other
+from . import arguments
 from . import heal as healing
 from . import observe
 from . import sequential as sequential_fit
 from . import threads as threads_
 from .plain_convs import put_back, stand_in
-from .allocate import allocate, shares_to_fit
+from .pruning import LAYERS, Pruning, beaten as is_beaten
+from .allocate import allocate
 from .report import Candidate, Choice, CompressReport
 from .timing import Clock, Timer, drop_slower, latency_timer
 from .tensorize import _replacement, fitted
@@ -100,10 +102,11 @@ def compress(model: nn.Module, budget: float = 0.25, formats: Sequence[str] = FO
     report says how many); recording the inputs (a forward per batch) reads no further batch
     past a tenth of it, the first sensitivity measure (a forward per layer and batch) none
     past a fifth, and the layers that measure did not reach get the median sensitivity.
-    ``prune``: a format whose candidates at a layer's two smallest shares are each beaten
-    (another format's candidate at that share has no larger error) is not fitted at that
-    layer's larger shares: on MiniLM's linear layers the order of the formats
-    held at every share (low-rank first), and the fits it saves are the slowest (tensor rings).
+    ``prune``: a format beaten (another format's candidate at that share has no larger
+    error) at a layer's two smallest shares is not fitted at its larger ones, and one with 1.5
+    times another's error at the first two layers of a kind and weight shape is not fitted at
+    the others of it (``tnspec.workflows.convert.pruning``): the fits it saves are the slowest
+    (TT and TR on a transformer's MLP).
 
     ``sequential=True`` (needs ``data``): the sensitivities are measured again on the model as
     allocated and the allocation redone with them; then each replaced layer is fitted again,
@@ -125,31 +128,14 @@ def compress(model: nn.Module, budget: float = 0.25, formats: Sequence[str] = FO
     an error or Ctrl-C at any point, the refits and healing included, leaves the model as it
     was."""
     started = now()
-    if not 0 < budget <= 1:
-        raise SpecError(f"budget={budget!r} is a share of the dense parameters",
-                        hint="a number in (0, 1], e.g. budget=0.25")
-    if isinstance(formats, str):
-        raise SpecError(f"formats={formats!r} must be a tuple of format names",
-                        hint=f"e.g. formats=({formats!r},)")
-    unknown = [f for f in formats if f not in format_names.NAMES]
-    if unknown or not formats:
-        raise SpecError(f"formats={tuple(formats)!r}" +
-                        (f": unknown format {unknown[0]!r}" if unknown else " is empty"),
-                        hint=f"names from {', '.join(format_names.NAMES)}")
+    arguments.check_budget_and_formats(budget, formats)
     times_of = latency_timer(latency, timer)  # an unknown latency is refused here
     for flag, given in ((f"latency={latency!r}", latency), ("sequential=True", sequential),
                         (f"heal={heal!r}", heal)):
         if given and data is None:
             raise SpecError(f"{flag} needs data= (what the model is fed)")
-    if isinstance(heal, bool) or not isinstance(heal, int) or heal < 0:
-        raise SpecError(f"heal={heal!r} is a number of training steps",
-                        hint="e.g. heal=200, or 0 for none")
-    unknown = sorted(set(fit or {}) - set(FIT))
-    if unknown:
-        raise SpecError(f"fit= has no option {unknown[0]!r}",
-                        hint=f"the options are {', '.join(FIT)}")
-    options = {**FIT, **dict(fit or {})}
-    grid, lower = shares_to_fit(shares, budget, SHARES)
+    options = arguments.fit_options(fit, heal, FIT)
+    grid, lower = arguments.shares_to_fit(shares, budget, SHARES)
     threads_.check(threads)
     other = never_replaced(model)
     left_alone = {**read_directly(model), **tied(model), **adapted_parts(model)}
@@ -175,10 +161,7 @@ def compress(model: nn.Module, budget: float = 0.25, formats: Sequence[str] = FO
         why = f": {first_skipped(skipped)}" if skipped else ""
         raise SpecError(f"no layer to compress{why}",
                         hint="check include= and exclude=" if not skipped else None)
-    if max_seconds is not None and not (isinstance(max_seconds, (int, float)) and
-                                        not isinstance(max_seconds, bool) and max_seconds > 0):
-        raise SpecError(f"max_seconds={max_seconds!r} must be a positive number of seconds",
-                        hint="or None for no limit")
+    arguments.check_max_seconds(max_seconds)
     if run is not None and data is None:
         raise SpecError("run= needs data= (the batches it feeds the model)")
     if data is not None:  # read once: a generator would be empty the second time
@@ -263,7 +246,7 @@ def compress(model: nn.Module, budget: float = 0.25, formats: Sequence[str] = FO
             if left > 0:
                 candidate(name, module, options_here, dense_params, dense_seconds, formats[0],
                           min((*grid, *lower)), left)
-        pruned, fitting = 0, clock.read
+        pruned, fitting, pruning = 0, clock.read, Pruning(prune)
 
         def fit_grid(grid: Sequence[float]) -> None:
             """Format by format over all layers, each at ``grid``'s shares: under a time budget
@@ -273,13 +256,18 @@ def compress(model: nn.Module, budget: float = 0.25, formats: Sequence[str] = FO
             for f, fmt in enumerate(formats):
                 for j, ((name, module), (_, dense_params, options_here, _, dense_seconds)) in \
                         enumerate(zip(layers, choices)):
-                    count, beaten = 0, 0
+                    count, beaten, fitted_here = 0, 0, []
+                    if pruning.skips_layer(fmt, module):
+                        pruned += len(grid)
+                        progress.line(f"{name}: {fmt} not fitted: far behind at the first "
+                                      f"{LAYERS} layers of its kind and shape")
+                        continue
                     for k, share in enumerate(sorted(grid)):
                         left = clock.left(deadline)
                         if left <= 0:
                             unfitted += 1
                             continue
-                        if prune and beaten == 2 == k:  # beaten at its two smallest shares
+                        if pruning.skips_rest(beaten, k):
                             pruned += len(grid) - k
                             break
                         cand = candidate(name, module, options_here, dense_params,
@@ -289,10 +277,10 @@ def compress(model: nn.Module, budget: float = 0.25, formats: Sequence[str] = FO
                                 count += any(c.format == fmt and c.share == share
                                              for c, _ in options_here)
                             continue
-                        beaten += any(c.format not in ("dense", fmt) and c.share == share and
-                                      c.error <= cand.error for c, _ in options_here
-                                      if c is not cand)
+                        beaten += is_beaten(cand, options_here)
                         count += 1
+                        fitted_here.append(cand)
+                    pruning.record(fmt, module, fitted_here, options_here)
                     done = f * len(layers) + j + 1
                     # at the pace so far (a ring's later fits are often slower), capped by
                     # max_seconds

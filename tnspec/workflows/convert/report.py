@@ -44,7 +44,7 @@ class CompressReport:
     seconds: float
     extra: Mapping[str, Any] = field(default_factory=dict)
     unfitted: int = 0  # candidates max_seconds left no time for
-    pruned: int = 0  # candidates of formats beaten at their two smallest shares, not fitted
+    pruned: int = 0  # candidates not fitted: their format was beaten before (see pruning)
     other: tuple[tuple[str, int, str], ...] = ()  # (kind, count, why) of those never replaced
     over_budget: bool = False  # max_seconds ran out before candidates within budget were fitted
     #: sequential=True: (layer, error before, after) on the compressed model's inputs
@@ -88,8 +88,9 @@ class CompressReport:
         for name, why in self.skipped:
             lines.append(f"  skipped {name}: {why}")
         if self.pruned:
-            lines.append(f"  {self.pruned} candidate(s) not fitted: their format was beaten at "
-                         "its two smallest shares (prune=False fits them)")
+            lines.append(f"  {self.pruned} candidate(s) not fitted: their format was beaten "
+                         "at the layer's two smallest shares, or far behind at the first two "
+                         "layers of its kind and shape (prune=False fits them)")
         if self.unfitted:
             lines.append(f"  {self.unfitted} candidate(s) not fitted: max_seconds was spent")
         if self.over_budget:
