@@ -626,8 +626,9 @@ def test_a_format_far_behind_at_the_first_two_layers_of_a_shape_is_not_fitted_at
 
 def test_where_the_budgets_share_cannot_hold_the_budget_smaller_shares_are_fitted(caplog):
     """A layer left dense (here: latency finds its candidate slower than dense), or biases
-    kept whole, leave the others more than the budget at its share: then the smaller shares of ``SHARES`` are fitted
-    and allocated too, and the progress says so; with ``shares`` given, it is an error."""
+    kept whole, leave the others more than the budget at its share: then the smaller shares
+    of ``SHARES`` are fitted and allocated too, one at a time from the largest until the budget
+    holds, and the progress says so; with ``shares`` given, it is an error."""
     import logging
     x = torch.randn(64, 48)
 
@@ -637,11 +638,15 @@ def test_where_the_budgets_share_cannot_hold_the_budget_smaller_shares_are_fitte
     with caplog.at_level(logging.INFO, logger="tnspec"):
         _, report = tnspec.compress(_mlp(), 0.5, ("low_rank",), data=[x], fit=FAST,
                                     latency=True, timer=timer)
-    assert any("does not hold with every layer at 0.5" in r.getMessage()
-               for r in caplog.records)
+    said = [r.getMessage() for r in caplog.records if "does not hold" in r.getMessage()]
+    assert [m.split("fitting ")[1] for m in said] == ["0.35 too", "0.2 too"]
+    assert said[0].startswith("compress: the budget does not hold with every layer at 0.5 ")
     chosen = {c.name: c.chosen for c in report.choices}
     assert chosen["4"].format == "dense" and report.params_after <= 0.5 * report.params_before
     assert min(chosen["0"].share, chosen["2"].share) < 0.5
+    # 0.35 left the last layer, dense, too many parameters; 0.2 did not: 0.1 was not fitted
+    # (0.05: the floor every call fits, so that max_seconds always leaves an allocation)
+    assert {o.share for c in report.choices for o in c.candidates} == {1.0, 0.5, 0.35, 0.2, 0.05}
     # raising at the allocation (shares given; or the default, after the smaller shares were
     # fitted too) leaves the model as it was
     for budget, shares in ((0.5, {"shares": (0.5,)}), (0.06, {})):

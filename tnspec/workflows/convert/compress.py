@@ -77,7 +77,8 @@ def compress(model: nn.Module, budget: float = 0.25, formats: Sequence[str] = FO
     ``shares=None`` (the default): every layer at ``budget`` of its parameters, in the format
     that fits it best (or dense where the budget leaves room); only where that cannot hold the
     budget (a layer no format fits within the share, one left dense by ``latency``, biases
-    kept whole) are the smaller of ``SHARES`` fitted too. A tuple of shares lets the
+    kept whole) are the smaller of ``SHARES`` fitted too, one at a time from the largest, until
+    it holds. A tuple of shares lets the
     allocation give each layer its own rank by its sensitivity: closer to the original's
     outputs (MiniLM's embeddings at 50%: cosine 0.826 against 0.788 by default) but worse for
     a head trained afresh on the features (with ``SHARES``, a probe up to 1.7 points lower on
@@ -339,12 +340,21 @@ def compress(model: nn.Module, budget: float = 0.25, formats: Sequence[str] = FO
             if not lower:  # shares given, or none below the budget
                 raise
             over_budget = True
-        if over_budget and lower:
-            progress.line(f"the budget does not hold with every layer at {budget:g} of its "
-                          f"parameters: fitting {', '.join(f'{s:g}' for s in lower)} too")
-            fitting, grid = clock.read, (*grid, *lower)
-            fit_grid(lower)
-            picks, over_budget = allocated(None, grid)
+        # one smaller share at a time, the largest first: the knapsack uses every share it is
+        # offered, and a layer cut far below the budget costs more downstream than its error says
+        for k, share in enumerate(sorted(lower, reverse=True) if over_budget else ()):
+            progress.line(f"the budget does not hold with every layer at {min(grid):g} of its "
+                          f"parameters or more: fitting {share:g} too")
+            fitting, grid = clock.read, (*grid, share)
+            fit_grid((share,))
+            try:
+                picks, over_budget = allocated(None, grid)
+            except SpecError:
+                if k == len(lower) - 1:
+                    raise
+                continue
+            if not over_budget:
+                break
         new = chosen(picks)
         set_all(model, new)
         refits, healed = (), None
