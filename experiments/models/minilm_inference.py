@@ -8,7 +8,7 @@ batch 32; ``torch.no_grad``, eval mode. Each model's first call plans its layers
 then interleaved rounds (every model once per round), medians; the ratio is to the original
 in the same rounds. ``compress`` sees 4 held-out batches of 32 snippets.
 
-    python -m experiments.models.minilm_inference            # about 13 minutes on 2 cores
+    python -m experiments.models.minilm_inference            # 5-13 minutes on 2 cores
     python -m experiments.models.minilm_inference --smoke    # the tests run it (seconds)
 """
 
