@@ -8,7 +8,7 @@ reach it where ``data`` is given (:meth:`Layer.fit_` with ``inputs``; for a low-
 Tucker-2 linear layer in closed form, the truncated SVD in the inputs' metric), to the weight
 otherwise. The formats are fitted one after the other over all layers, so that a time budget
 leaves every layer the cheap ones; a format beaten before (at a layer's two smallest shares, far
-behind at the first two layers of a kind and shape) is not fitted there again (``pruning``). Each
+behind at the first two layers of a kind and shape) is not fitted there again (``allocate``). Each
 candidate has a relative error ``e`` (of the outputs,
 or of the weight) and a parameter count. The allocation then solves
 
@@ -47,8 +47,7 @@ from . import observe
 from . import sequential as sequential_fit
 from . import threads as threads_
 from .plain_convs import put_back, stand_in
-from .pruning import LAYERS, Pruning, beaten as is_beaten
-from .allocate import allocate
+from .allocate import LAYERS, Pruning, allocate, beaten as is_beaten
 from .report import Candidate, Choice, CompressReport
 from .timing import Clock, Timer, drop_slower, latency_timer
 from .tensorize import _replacement, fitted
@@ -106,7 +105,7 @@ def compress(model: nn.Module, budget: float = 0.25, formats: Sequence[str] = FO
     ``prune``: a format beaten (another format's candidate at that share has no larger
     error) at a layer's two smallest shares is not fitted at its larger ones, and one with 1.5
     times another's error at the first two layers of a kind and weight shape is not fitted at
-    the others of it (``tnspec.workflows.convert.pruning``): the fits it saves are the slowest
+    the others of it (``tnspec.workflows.convert.allocate``): the fits it saves are the slowest
     (TT and TR on a transformer's MLP).
 
     ``sequential=True`` (needs ``data``): the sensitivities are measured again on the model as
