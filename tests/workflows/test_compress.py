@@ -598,6 +598,29 @@ def test_by_default_every_replaced_layer_holds_the_budgets_share():
     assert {o.share for c in spread.choices for o in c.candidates} == {0.1, 0.4, 0.7, 1.0}
 
 
+def test_a_format_beaten_at_a_layers_two_smallest_shares_is_not_fitted_at_its_larger_ones():
+    """``prune``, within a layer: the ring loses to low-rank at the second layer's 10% and 20%,
+    so it is not fitted at its 40% and 60%; at the first layer it wins 10%, so it goes on."""
+    def model() -> nn.Module:
+        torch.manual_seed(1)
+        return nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 24), nn.Linear(24, 16))
+    torch.manual_seed(0)
+    x = torch.randn(128, 32) * torch.logspace(0, -2, 32)
+    fitted = {}
+    for prune in (False, True):
+        _, report = tnspec.compress(model(), 0.5, ("low_rank", "tr"), data=[x], fit=FAST,
+                                    prune=prune, shares=(0.1, 0.2, 0.4, 0.6))
+        fitted[prune] = report, {c.name: {(o.format, o.share): o.error for o in c.candidates}
+                                 for c in report.choices}
+    every, pruned = fitted[False][1], fitted[True][1]
+    assert every["0"][("tr", 0.1)] < every["0"][("low_rank", 0.1)]  # what the rule reads
+    assert all(every["1"][("low_rank", s)] <= every["1"][("tr", s)] for s in (0.1, 0.2))
+    assert fitted[True][0].pruned == 2
+    left_out = {("1", "tr", 0.4), ("1", "tr", 0.6)}
+    assert pruned == {name: {k: e for k, e in errors.items() if (name, *k) not in left_out}
+                      for name, errors in every.items()}
+
+
 def test_a_format_far_behind_at_the_first_two_layers_of_a_shape_is_not_fitted_at_the_others():
     """``prune``: four 32 -> 32 linears and a 32 -> 16 one. The ring's error is over 1.5 times
     low-rank's or TT's at the first two 32 x 32 layers, so it is not fitted at the other two;
