@@ -13,10 +13,15 @@ groups) to Tucker-2 at 25% instead, at torch's threads (``threads=None``) and wi
 ``threads="auto"``. ``--job minilm`` times the real case, all-MiniLM-L6-v2's encoder (36
 linear layers) compressed to 50% with 4 batches of 32 Rotten Tomatoes snippets at 64 tokens,
 as ``compress`` runs by default (``threads="auto"``); it needs the experiments' assets.
+``--job small`` times ``compress``'s defaults on a 0.63 M-parameter 1-D conv network (four
+convs with kernels of 32-64 taps over 1,024 samples, then a linear layer: the shape of a pitch
+tracker), randomly initialized (no such checkpoint installs here; the fits' time follows the
+shapes), with 4 batches of 16 random signals.
 
     python benchmarks/compress_load.py            # about 12 minutes on 2 cores (--rounds 1: 5)
     python benchmarks/compress_load.py --job tensorize --rounds 1   # about 6 minutes
-    python benchmarks/compress_load.py --job minilm --rounds 1      # about 8 minutes
+    python benchmarks/compress_load.py --job minilm --rounds 1      # about 7 minutes
+    python benchmarks/compress_load.py --job small --rounds 1       # about 2 minutes
 """
 
 from __future__ import annotations
@@ -57,6 +62,8 @@ def seconds(job: str, net: nn.Module, data: list[torch.Tensor], threads: int | s
         elif job == "minilm":
             tnspec.compress(copy.deepcopy(net), 0.5, data=data, include="encoder.*",
                             threads=given)
+        elif job == "small":
+            tnspec.compress(copy.deepcopy(net), 0.5, data=data, threads=given)
         else:
             tnspec.tensorize(copy.deepcopy(net), "tucker2", rank=0.25, weights="fit",
                              threads=given, fit={"max_seconds": 300})
@@ -68,7 +75,8 @@ def seconds(job: str, net: nn.Module, data: list[torch.Tensor], threads: int | s
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--job", choices=("compress", "tensorize", "minilm"), default="compress")
+    parser.add_argument("--job", choices=("compress", "tensorize", "minilm", "small"),
+                        default="compress")
     args = parser.parse_args(argv)
     torch.manual_seed(0)
     if args.job == "compress":
@@ -80,9 +88,12 @@ def main(argv: list[str] | None = None) -> int:
     data: list = [torch.randn(16, 64, 384) for _ in range(4)]
     if args.job == "minilm":
         net, data = minilm()
+    if args.job == "small":
+        net, data = conv1d_net(), [torch.randn(16, 1, 1024) for _ in range(4)]
     default = torch.get_num_threads()
     settings: list[int | str] = [*sorted({default, 1}, reverse=True), "auto"] \
-        if args.job == "compress" else ["auto"] if args.job == "minilm" else [default, "auto"]
+        if args.job == "compress" else ["auto"] if args.job in ("minilm", "small") \
+        else [default, "auto"]
     times: dict[tuple[str, int | str], list[float]] = {}
     for machine_state in ("quiet", "one busy neighbour"):
         neighbour = subprocess.Popen([sys.executable, "-c", NEIGHBOUR]) \
@@ -105,6 +116,17 @@ def main(argv: list[str] | None = None) -> int:
         median = statistics.median(spent)
         print(f"| {state} | {threads} | {median:.1f} | {median / quiet:.2f} |")
     return 0
+
+
+def conv1d_net() -> nn.Module:
+    """A 1-D conv network of 625,960 parameters, in eval mode."""
+    def block(c_in: int, c_out: int, kernel: int, **more: int) -> list[nn.Module]:
+        return [nn.Conv1d(c_in, c_out, kernel, padding=kernel // 2, **more),
+                nn.BatchNorm1d(c_out), nn.ReLU()]
+    return nn.Sequential(*block(1, 128, 64, stride=4), nn.MaxPool1d(2),
+                         *block(128, 64, 32), nn.MaxPool1d(2), *block(64, 64, 32),
+                         nn.MaxPool1d(2), *block(64, 64, 32), nn.AdaptiveAvgPool1d(4),
+                         nn.Flatten(), nn.Linear(256, 360)).eval()
 
 
 def minilm() -> tuple[nn.Module, list[dict]]:
