@@ -44,6 +44,8 @@ from ...errors import SpecError
 from .report import Candidate
 
 Items = list[list[tuple[int, float]]]
+LAYERS = 2  # a format far behind at this many layers of a kind and shape is not fitted after
+FAR = 1.5  # how many times another's error is far behind
 
 
 def allocate(items: Items, budget: float, units: int = 2000, repairs: int = 8) -> list[int]:
@@ -117,9 +119,6 @@ def _solve(items: Items, capacity: int, unit: int, up: bool) -> list[int] | None
         picks.append(k)
         end -= count(layer[k][0])
     return picks[::-1]
-
-LAYERS = 2  # a format far behind at this many layers of a kind and shape is not fitted after
-FAR = 1.5  # how many times another's error is far behind
 
 
 def kind(module: nn.Module) -> Hashable:
