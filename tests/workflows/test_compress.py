@@ -671,14 +671,21 @@ def test_where_the_budgets_share_cannot_hold_the_budget_smaller_shares_are_fitte
     # (0.05: the floor every call fits, so that max_seconds always leaves an allocation)
     assert {o.share for c in report.choices for o in c.candidates} == {1.0, 0.5, 0.35, 0.2, 0.05}
     # raising at the allocation (shares given; or the default, after the smaller shares were
-    # fitted too) leaves the model as it was
-    for budget, shares in ((0.5, {"shares": (0.5,)}), (0.06, {})):
+    # fitted too: at 0.15, 0.1 then 0.05, each failing) leaves the model as it was, a frozen
+    # bias included
+    for budget, shares in ((0.5, {"shares": (0.5,)}), (0.06, {}), (0.15, {})):
         model = _mlp()
+        model[2].bias.requires_grad_(False)
         before = snapshot(model)
-        with pytest.raises(tnspec.SpecError, match="below what the smallest candidates need"):
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="tnspec"), \
+                pytest.raises(tnspec.SpecError, match="below what the smallest candidates need"):
             tnspec.compress(model, budget, ("low_rank",), data=[x], fit=FAST, latency=True,
                             timer=timer, **shares)
         assert unchanged(before, model)
+        tried = [r.getMessage().split("fitting ")[1] for r in caplog.records
+                 if "does not hold" in r.getMessage()]
+        assert tried == {0.5: [], 0.06: ["0.05 too"], 0.15: ["0.1 too", "0.05 too"]}[budget]
 
 
 @pytest.mark.parametrize("shares, why", [((), r"\(\)"), ((0.5, 1.5), r"\(0.5, 1.5\)"),
