@@ -693,3 +693,13 @@ def test_where_the_budgets_share_cannot_hold_the_budget_smaller_shares_are_fitte
 def test_shares_that_are_no_shares_are_refused(shares, why):
     with pytest.raises(tnspec.SpecError, match=f"shares={why}.*must be a tuple of shares"):
         tnspec.compress(_mlp(), 0.4, shares=shares)
+
+
+@pytest.mark.parametrize("seconds", [0, -1.0, True, "60"])
+def test_a_max_seconds_that_is_no_number_of_seconds_is_refused(seconds):
+    model = _mlp()
+    before = snapshot(model)
+    with pytest.raises(tnspec.SpecError,
+                       match=f"max_seconds={seconds!r} must be a positive number of seconds"):
+        tnspec.compress(model, 0.4, data=torch.randn(8, 48), max_seconds=seconds)
+    assert unchanged(before, model)

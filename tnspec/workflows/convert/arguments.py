@@ -37,14 +37,6 @@ def fit_options(fit: Mapping[str, Any] | None, heal: int, defaults: Mapping[str,
     return {**defaults, **dict(fit or {})}
 
 
-def check_max_seconds(max_seconds: float | None) -> None:
-    """None, or a positive number of seconds."""
-    if max_seconds is not None and not (isinstance(max_seconds, (int, float)) and
-                                        not isinstance(max_seconds, bool) and max_seconds > 0):
-        raise SpecError(f"max_seconds={max_seconds!r} must be a positive number of seconds",
-                        hint="or None for no limit")
-
-
 def shares_to_fit(shares: Sequence[float] | None, budget: float, lower_shares: Sequence[float]
                   ) -> tuple[tuple[float, ...], tuple[float, ...]]:
     """``compress``'s shares: those fitted first, and those fitted only where the first cannot

@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from ...errors import SpecError
+from ...fit.decompose import check_options as check_fit_options
 from ...progress import Progress, now
 from ...nn.module import Layer
 from ..adapted import adapted_parts
@@ -161,7 +162,7 @@ def compress(model: nn.Module, budget: float = 0.25, formats: Sequence[str] = FO
         why = f": {first_skipped(skipped)}" if skipped else ""
         raise SpecError(f"no layer to compress{why}",
                         hint="check include= and exclude=" if not skipped else None)
-    arguments.check_max_seconds(max_seconds)
+    check_fit_options(max_seconds=max_seconds)  # None, or a positive number of seconds
     if run is not None and data is None:
         raise SpecError("run= needs data= (the batches it feeds the model)")
     if data is not None:  # read once: a generator would be empty the second time
