@@ -102,7 +102,7 @@ def test_training_is_reproducible_from_the_seeds():
                                   "minilm_adapters", "minilm_inference",
                                   "mobilenet_inference", "minilm_collapse",
                                   "mobilenet_adapters", "mobilenet_compress",
-                                  "mobilenet_compress --heal"])
+                                  "mobilenet_compress --heal", "compress_pruning"])
 def test_the_real_model_experiments_run_their_smoke_versions(name, capsys):
     """On the real checkpoints and data, a slice (about a minute each: ``--runslow``); skipped
     where an asset is not installed. tests/workflows/test_real_models.py runs the workflows
@@ -118,7 +118,7 @@ def test_the_real_model_experiments_run_their_smoke_versions(name, capsys):
         pytest.skip(str(exc))
     out = capsys.readouterr().out
     expected = {"minilm_adapters": "| tnspec tt |", "minilm_collapse": "| step | loss |",
-                "mobilenet_adapters": "| low_rank default |"}
+                "mobilenet_adapters": "| low_rank default |", "compress_pruning": "| prune |"}
     assert expected.get(name, "| original |") in out
 
 

@@ -16,7 +16,8 @@ across layers: how two formats compare varies from layer to layer of one shape, 
 does between two shares of one layer. On all-MiniLM-L6-v2's encoder at 50% with data, a tensor
 ring's error was 1.26 and 1.39 times low-rank's at the first two 384 x 384 projections and 0.83
 times it at the last block's attention output, where it was chosen; at the MLP's linears TT's
-and TR's were 1.5-5.9 times low-rank's at the first two and never below it after.
+and TR's were 1.5-5.9 times low-rank's at the first two and never below it after
+(``python -m experiments.models.compress_pruning`` prints them).
 
 **Allocation**: one candidate per layer (item 0 the dense layer) within a parameter budget at
 the least total cost, as a multiple-choice knapsack over the parameters in units (at most
