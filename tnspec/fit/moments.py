@@ -8,7 +8,16 @@ of ``M``, keeping the directions that carry the data (eigenvalues above ``1e-12`
 largest) and at most ``max_rank`` of them: a ``P x q`` factor, ``q <= min(P, max_rank)``, so
 that fitting costs about what a weight-only fit of ``q`` input columns would. Directions past
 ``max_rank`` carry the least variance; the error there is not weighed.
-"""
+
+Where the moment is at least ``4 * max_rank`` wide and the rows could fill more than ``max_rank``
+directions, the full eigendecomposition (``O(P^3)``) would mostly compute directions that are
+dropped, and the moment of float32 rows is summed in float32 (its error, about ``1e-7`` of the
+largest eigenvalue, far below the directions kept). There the leading ``max_rank`` come from
+subspace iteration (Halko, Martinsson and Tropp 2011, algorithm 4.4: ``max_rank + 64`` columns,
+two power steps, then the eigendecomposition of the moment in that subspace): a few products by
+``M``. On a 2,048-wide conv's patches (``tests/fit/test_moments.py``) the subspace holds 99.9% of
+the moment's energy the exact leading directions hold, and ``L L^T`` is within 2% of the best
+rank-512 approximation's error (one power step: 99.5%, 13%)."""
 
 from __future__ import annotations
 
@@ -23,6 +32,7 @@ from ..errors import SpecError
 
 MAX_ROWS = 16384  # patches kept for the moment (a random subset past it; the RNG is untouched)
 MAX_RANK = 512
+OVERSAMPLE, POWER_STEPS = 64, 2  # the subspace iteration's extra columns and its power steps
 
 
 def patches(x: Tensor, kernel: Sequence[int], stride: Sequence[int], padding: Sequence[int],
@@ -63,13 +73,14 @@ def factor(rows: Tensor, groups: int = 1, *, max_rows: int = MAX_ROWS,
     rows = rows.detach()
     if rows.shape[0] > max_rows:  # before the float64 copy
         rows = rows[subset(rows.shape[0], max_rows).to(rows.device)]
-    rows = rows.to(torch.float64)
     per = rows.shape[1] // groups
+    wide = per >= 4 * max_rank and rows.shape[0] > max_rank
+    rows = rows.to(torch.float32 if wide and rows.dtype == torch.float32 else torch.float64)
     factors = []
     for g in range(groups):
         block = rows[:, g * per:(g + 1) * per]
-        moment = block.T @ block / max(block.shape[0], 1)
-        values, vectors = _eigh(moment)
+        moment = (block.T @ block).to(torch.float64) / max(block.shape[0], 1)
+        values, vectors = _leading(moment, max_rank) if wide else _eigh(moment)
         keep = values > 1e-12 * max(float(values[-1]), 1e-300)
         values, vectors = values[keep][-max_rank:], vectors[:, keep][:, -max_rank:]
         factors.append(vectors * values.sqrt())
@@ -78,6 +89,19 @@ def factor(rows: Tensor, groups: int = 1, *, max_rows: int = MAX_ROWS,
     for g, f in enumerate(factors):
         out[g, :, :f.shape[1]] = f
     return out
+
+
+def _leading(moment: Tensor, count: int) -> tuple[Tensor, Tensor]:
+    """The ``count`` leading eigenpairs of the symmetric positive semi-definite ``moment``,
+    ascending as ``eigh`` gives them, by subspace iteration from a start drawn with the moment's
+    width as seed (own generator: the global RNG untouched, the same result every call)."""
+    gen = torch.Generator().manual_seed(len(moment))
+    start = torch.randn(len(moment), count + OVERSAMPLE, generator=gen, dtype=moment.dtype)
+    basis = start.to(moment.device)
+    for _ in range(1 + POWER_STEPS):
+        basis = torch.linalg.qr(moment @ basis).Q
+    values, small = _eigh(basis.T @ moment @ basis)
+    return values[-count:], (basis @ small)[:, -count:]
 
 
 def _eigh(moment: Tensor) -> tuple[Tensor, Tensor]:
