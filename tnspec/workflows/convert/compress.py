@@ -257,8 +257,11 @@ def compress(model: nn.Module, budget: float = 0.25, formats: Sequence[str] = FO
             for f, fmt in enumerate(formats):
                 for j, ((name, module), (_, dense_params, options_here, _, dense_seconds)) in \
                         enumerate(zip(layers, choices)):
-                    count, beaten, fitted_here = 0, 0, []
+                    beaten, fitted_here = 0, []
                     if pruning.skips_layer(fmt, module):
+                        if deadline in clock.past:  # the time, not the rule, left them out
+                            unfitted += len(grid)
+                            continue
                         pruned += len(grid)
                         progress.line(f"{name}: {fmt} not fitted: far behind at the first "
                                       f"{LAYERS} layers of its kind and shape")
@@ -273,15 +276,11 @@ def compress(model: nn.Module, budget: float = 0.25, formats: Sequence[str] = FO
                             break
                         cand = candidate(name, module, options_here, dense_params,
                                          dense_seconds, fmt, share, left)
-                        if cand is None:
-                            if fmt == formats[0] and k == 0:  # the floor pass fitted it
-                                count += any(c.format == fmt and c.share == share
-                                             for c, _ in options_here)
-                            continue
-                        beaten += is_beaten(cand, options_here)
-                        count += 1
-                        fitted_here.append(cand)
+                        if cand is not None:  # None: fitted before (the floor) or failed
+                            beaten += is_beaten(cand, options_here)
+                            fitted_here.append(cand)
                     pruning.record(fmt, module, fitted_here, options_here)
+                    count = sum(c.format == fmt and c.share in grid for c, _ in options_here)
                     done = f * len(layers) + j + 1
                     # at the pace so far (a ring's later fits are often slower), capped by
                     # max_seconds
