@@ -24,6 +24,9 @@ trained in full; test accuracy on 1,000 images).
         "low_rank default" "cp default" "tucker2 default" "tt default" "tr default" \\
         "tt_lora default" "PEFT LoRA" --out mobilenet_adapters_multiplier_3seeds
                     # the same, 3 seeds, ~45 min alone
+    python -m experiments.models.mobilenet_adapters --seeds 3 --methods "low_rank principal" \\
+        "cp principal" "tucker2 principal" "PEFT LoRA" --out mobilenet_adapters_principal
+                    # the principal start (init="principal"), ~23 min
 """
 
 from __future__ import annotations
@@ -47,7 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--smoke", action="store_true", help="a tiny version")
     parser.add_argument("--seeds", type=int, default=1, help="how many seeds (1)")
     parser.add_argument("--methods", nargs="+", default=None,
-                        help="'<format> default', '<format> zero', 'head only', 'PEFT LoRA'")
+                        help="'<format> default', '<format> zero', '<format> principal', "
+                        "'head only', 'PEFT LoRA'")
     parser.add_argument("--out", default="mobilenet_adapters", help="the results file's name")
     parser.add_argument("--share", type=float, default=0.01,
                         help="tnspec's adapters and the head together, a share of the "
@@ -95,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
             f"accuracy, mean over {len(seeds)} seed(s)"
             + (" (the lowest in brackets)" if len(seeds) > 1 else "") + ". default: `adapt` "
             "unasked (every core drawn, a frozen copy subtracted, `scale = min(1, 4 / n)`); "
-            "zero: `init=\"zero\"`.\n\n"
+            "zero: `init=\"zero\"`; principal: `init=\"principal\"`.\n\n"
             + markdown_table(["method", "trainable", *(f"lr {lr:g}" for lr in rates)], rows))
     print(text)
     if not args.smoke:
