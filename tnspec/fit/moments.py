@@ -12,7 +12,8 @@ that fitting costs about what a weight-only fit of ``q`` input columns would. Di
 Where the moment is at least ``4 * max_rank`` wide and the rows could fill more than ``max_rank``
 directions, the full eigendecomposition (``O(P^3)``) would mostly compute directions that are
 dropped, and the moment of float32 rows is summed in float32 (its error, about ``1e-7`` of the
-largest eigenvalue, far below the directions kept). There the leading ``max_rank`` come from
+largest eigenvalue, far below the directions kept; directions under ``1e-6`` of it are that
+rounding, and dropped). There the leading ``max_rank`` come from
 subspace iteration (Halko, Martinsson and Tropp 2011, algorithm 4.4: ``max_rank + 64`` columns,
 two power steps, then the eigendecomposition of the moment in that subspace): a few products by
 ``M``. On a 2,048-wide conv's patches (``tests/fit/test_moments.py``) the subspace holds 99.9% of
@@ -81,7 +82,9 @@ def factor(rows: Tensor, groups: int = 1, *, max_rows: int = MAX_ROWS,
         block = rows[:, g * per:(g + 1) * per]
         moment = (block.T @ block).to(torch.float64) / max(block.shape[0], 1)
         values, vectors = _leading(moment, max_rank) if wide else _eigh(moment)
-        keep = values > 1e-12 * max(float(values[-1]), 1e-300)
+        # below this share of the largest eigenvalue a direction is the sum's rounding
+        floor = 1e-6 if rows.dtype == torch.float32 else 1e-12
+        keep = values > floor * max(float(values[-1]), 1e-300)
         values, vectors = values[keep][-max_rank:], vectors[:, keep][:, -max_rank:]
         factors.append(vectors * values.sqrt())
     q = max(max(f.shape[1] for f in factors), 1)
