@@ -12,7 +12,7 @@ cosine of each test embedding to the original model's.
     python -m experiments.models.minilm_compress --smoke    # a tiny version (the tests run it)
     python -m experiments.models.minilm_compress --allocation 0.75 0.5 0.25  # ~24 min
     python -m experiments.models.minilm_compress --budgets 0.5   # ~20 min, its own file
-    python -m experiments.models.minilm_compress --budgets 0.25  # ~12 min, its own file
+    python -m experiments.models.minilm_compress --budgets 0.25  # ~18 min, its own file
 """
 
 from __future__ import annotations
