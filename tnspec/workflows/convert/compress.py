@@ -259,7 +259,7 @@ def compress(model: nn.Module, budget: float = 0.25, formats: Sequence[str] = FO
                         enumerate(zip(layers, choices)):
                     beaten, fitted_here = 0, []
                     if pruning.skips_layer(fmt, module):
-                        if deadline in clock.past:  # the time, not the rule, left them out
+                        if clock.left(deadline) <= 0:  # the time, not the rule, left them out
                             unfitted += len(grid)
                             continue
                         pruned += len(grid)
