@@ -37,6 +37,10 @@ def test_a_wide_moments_leading_directions_carry_what_the_exact_ones_do():
     # the best rank-512 approximation's error, within a few percent
     best = torch.linalg.norm(moment - exact * values[-moments.MAX_RANK:] @ exact.T)
     assert torch.linalg.norm(moment - metric[0] @ metric[0].T) < 1.1 * best
+    # rows in float64 (as the sequential refits pass them) take the same path, summed in float64
+    double = moments.factor(rows.double())
+    assert double.shape == metric.shape
+    assert torch.linalg.norm(double[0] @ double[0].T - metric[0] @ metric[0].T) < 1e-4 * best
 
 
 def test_a_moment_no_wider_than_four_times_the_rank_kept_is_decomposed_exactly():
