@@ -70,9 +70,11 @@ def subset(count: int, keep: int, seed: int | None = None) -> Tensor:
 def factor(rows: Tensor, groups: int = 1, *, max_rows: int = MAX_ROWS,
            max_rank: int = MAX_RANK) -> Tensor:
     """``L`` of shape ``(groups, P, q)`` with ``L[g] L[g]^T`` the mean of ``p p^T`` over the
-    rows of group ``g`` (``rows``: ``(n, groups * P)``), in float64."""
+    rows of group ``g`` (``rows``: ``(n, groups * P)``) in its ``q <= max_rank`` leading
+    directions (by subspace iteration where ``P >= 4 * max_rank``: the module's docstring), in
+    float64."""
     rows = rows.detach()
-    if rows.shape[0] > max_rows:  # before the float64 copy
+    if rows.shape[0] > max_rows:  # before the copy below
         rows = rows[subset(rows.shape[0], max_rows).to(rows.device)]
     per = rows.shape[1] // groups
     wide = per >= 4 * max_rank and rows.shape[0] > max_rank
