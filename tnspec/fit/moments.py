@@ -79,13 +79,13 @@ def factor(rows: Tensor, groups: int = 1, *, max_rows: int = MAX_ROWS,
     per = rows.shape[1] // groups
     wide = per >= 4 * max_rank and rows.shape[0] > max_rank
     rows = rows.to(torch.float32 if wide and rows.dtype == torch.float32 else torch.float64)
+    # below this share of the largest eigenvalue a direction is the sum's rounding
+    floor = 1e-6 if rows.dtype == torch.float32 else 1e-12
     factors = []
     for g in range(groups):
         block = rows[:, g * per:(g + 1) * per]
         moment = (block.T @ block).to(torch.float64) / max(block.shape[0], 1)
         values, vectors = _leading(moment, max_rank) if wide else _eigh(moment)
-        # below this share of the largest eigenvalue a direction is the sum's rounding
-        floor = 1e-6 if rows.dtype == torch.float32 else 1e-12
         keep = values > floor * max(float(values[-1]), 1e-300)
         values, vectors = values[keep][-max_rank:], vectors[:, keep][:, -max_rank:]
         factors.append(vectors * values.sqrt())

@@ -56,9 +56,8 @@ def inputs(model: nn.Module, layers: list[tuple[str, nn.Module]], data: list[Any
             x = args[0].detach()
             shapes.setdefault(name, tuple(x.shape))
             keep = max(moments.MAX_ROWS // max_batches, 1)
-            r = sampled(module, x, keep, len(rows[name]))  # float32 kept: see moments.factor
-            rows[name].append(r.to(torch.float32 if r.dtype == torch.float32 else torch.float64,
-                                   copy=True))
+            # a copy (a later in-place op may change x), in x's dtype: moments.factor decides
+            rows[name].append(sampled(module, x, keep, len(rows[name])).clone())
         return record
     read = _run(model, layers, data, hook, run, called or {}, left)
     found = dict(layers)
