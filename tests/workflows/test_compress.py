@@ -739,3 +739,23 @@ def test_a_max_seconds_that_is_no_number_of_seconds_is_refused(seconds):
                        match=f"max_seconds={seconds!r} must be a positive number of seconds"):
         tnspec.compress(model, 0.4, data=torch.randn(8, 48), max_seconds=seconds)
     assert unchanged(before, model)
+
+
+@pytest.mark.parametrize("channels", [16, 64])  # a moment 512 wide (eigh), 2,048 (subspace)
+def test_inputs_with_nan_are_a_clear_error_and_leave_the_model_as_it_was(channels):
+    """A NaN in a layer's inputs made its moment NaN, whose eigendecomposition gave NaN
+    eigenvalues without an error: every direction was dropped and the layer fitted in no
+    metric at all, silently. Now it is an error naming the layer, raised while the inputs are
+    recorded: before anything is set, so the model is as it was (a frozen bias, a tie)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv1d(channels, 32, 32), nn.ReLU(), nn.Conv1d(32, 32, 1),
+                          nn.Conv1d(32, 32, 1))
+    model[0].bias.requires_grad_(False)
+    model[3].weight = model[2].weight
+    x = torch.randn(8, channels, 700)
+    x[0, 0, 5] = float("nan")
+    before, threads = snapshot(model), torch.get_num_threads()
+    with pytest.raises(tnspec.SpecError, match=r"layer '0': the inputs hold NaN or infinite "
+                                               r"values\nhint: check the data"):
+        tnspec.compress(model, 0.5, ("low_rank",), data=[x], fit=FAST)
+    assert unchanged(before, model) and torch.get_num_threads() == threads

@@ -85,6 +85,9 @@ def factor(rows: Tensor, groups: int = 1, *, max_rows: int = MAX_ROWS,
     for g in range(groups):
         block = rows[:, g * per:(g + 1) * per]
         moment = (block.T @ block).to(torch.float64) / max(block.shape[0], 1)
+        if not bool(torch.isfinite(moment).all()):  # eigh would give NaN, not an error
+            raise SpecError("the inputs hold NaN or infinite values",
+                            hint="check the data and the layers before this one")
         values, vectors = _leading(moment, max_rank) if wide else _eigh(moment)
         keep = values > floor * max(float(values[-1]), 1e-300)
         values, vectors = values[keep][-max_rank:], vectors[:, keep][:, -max_rank:]

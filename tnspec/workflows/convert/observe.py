@@ -61,9 +61,15 @@ def inputs(model: nn.Module, layers: list[tuple[str, nn.Module]], data: list[Any
         return record
     read = _run(model, layers, data, hook, run, called or {}, left)
     found = dict(layers)
-    return {name: (shape, moments.factor(torch.cat(rows[name]),
-                                         getattr(found[name], "groups", 1)))
-            for name, shape in shapes.items() if rows[name]}, read  # in the order called
+    out = {}
+    for name, shape in shapes.items():  # in the order called
+        if rows[name]:
+            try:
+                out[name] = shape, moments.factor(torch.cat(rows[name]),
+                                                  getattr(found[name], "groups", 1))
+            except SpecError as exc:
+                raise SpecError(f"layer {name!r}: {exc.message}", hint=exc.hint) from None
+    return out, read
 
 
 def sampled(module: nn.Module, x: torch.Tensor, keep: int, seed: int) -> torch.Tensor:
