@@ -49,7 +49,7 @@ def mobilenet_convs(smoke: bool) -> tuple[nn.Module, list, dict[str, Any]]:
                                              "max_seconds": 240}
 
 
-def compare(label: str, load: Callable, budget: float, smoke: bool) -> tuple[str, list]:
+def compare(label: str, load: Callable, budget: float, smoke: bool) -> str:
     model, batches, options = load(smoke)
     formats = FORMATS[:2] if smoke else FORMATS
     reports, seconds = {}, {}
@@ -71,7 +71,7 @@ def compare(label: str, load: Callable, budget: float, smoke: bool) -> tuple[str
                 f"{reports[prune].predicted_error:.4f}") for prune in (True, False)]
     head = markdown_table(("prune", "seconds", "candidates pruned", "predicted model error"),
                           summary)
-    return f"## {label} at {budget:.0%}\n\n{head}\n\n{table}", summary
+    return f"## {label} at {budget:.0%}\n\n{head}\n\n{table}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     parts = []
     for label, load, budget in (("all-MiniLM-L6-v2's encoder", minilm, 0.5),
                                 ("MobileNetV2's 1x1 convs", mobilenet_convs, 0.75)):
-        text, summary = compare(label, load, budget, args.smoke)
+        text = compare(label, load, budget, args.smoke)
         print(text, flush=True)
         parts.append(text)
     text = "# compress with and without pruning\n\n" + "\n\n".join(parts)
