@@ -18,7 +18,7 @@ subspace iteration (Halko, Martinsson and Tropp 2011, algorithm 4.4: ``max_rank 
 two power steps, then the eigendecomposition of the moment in that subspace): a few products by
 ``M``. On a 2,048-wide conv's patches (``tests/fit/test_moments.py``) the subspace holds 99.9% of
 the moment's energy the exact leading directions hold, and ``L L^T`` is within 2% of the best
-rank-512 approximation's error (one power step: 99.5%, 13%)."""
+rank-512 approximation's error."""
 
 from __future__ import annotations
 
