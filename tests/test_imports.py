@@ -218,7 +218,7 @@ def test_stages_import_only_what_they_need():
                                       "planning.problem", "planning.paths", "planning.lookup"}
     assert graph["planning.lookup"] <= {"ir", "errors", "shapes", "program",
                                         "planning.cost"}  # no Lark
-    assert graph["emit.products"] <= {"program", "shapes", "planning.plan"}  # a part of lower
+    assert graph["emit.products"] <= {"ir", "program", "shapes", "planning.plan"}  # of lower
     assert graph["planning.measure"] <= {"planning.cost"}
     assert graph["planning.calibration"] <= {"progress", "planning.cache", "planning.choices",
                                              "planning.cost", "planning.measure"}

@@ -62,6 +62,28 @@ RESERVED_NAMES = frozenset("""
 MAX_CONV_DIMS = 3
 
 
+def unit_name(core: str, axis: int) -> str:
+    """The index name of a unit axis (written ``1``) at position ``axis`` of ``core``: it starts
+    with a digit, so no written name is like it, and it is unique to that axis."""
+    return f"1.{core}.{axis}"
+
+
+def is_unit(name: str) -> bool:
+    """Whether an index name is a unit axis's (:func:`unit_name`)."""
+    return name[:2] == "1."  # no written name, nor a conv's affine text (2*h+k-1), is so
+
+
+def without_units(net: "Network") -> "Network":
+    """``net`` with its cores' unit axes left out: the same layer, each core reshaped (``net``
+    itself where there are none)."""
+    if not any(ix.role is Role.UNIT for ix in net.indices):
+        return net
+    cores = tuple(replace(c, axes=tuple(a for a in c.axes if not is_unit(a[0])))
+                  for c in net.cores)
+    return replace(net, cores=cores,
+                   indices=tuple(ix for ix in net.indices if ix.role is not Role.UNIT))
+
+
 def clashes(core: str) -> bool:
     """Whether a core of this name cannot be an attribute of the generated module under its own
     name: one of :data:`RESERVED_NAMES`, or a leading underscore (Python mangles
@@ -81,6 +103,7 @@ class Role(str, Enum):
     KERNEL = "kernel"            # the window of a conv relation, carried by cores: summed
     SPATIAL_IN = "spatial-in"    # data-side axis of a conv relation
     SPATIAL_OUT = "spatial-out"  # result-side axis of a conv relation
+    UNIT = "unit"                # a unit axis of one core (written 1): length 1, summed
 
     def __str__(self) -> str:
         return self.value
@@ -207,7 +230,9 @@ class Network:
     def spec(self) -> str:
         """The canonical one-line expression, without sizes."""
         def axis(names: tuple[str, ...]) -> str:
-            return names[0] if len(names) == 1 else "(" + " ".join(names) + ")"
+            if len(names) == 1:
+                return "1" if is_unit(names[0]) else names[0]
+            return "(" + " ".join(names) + ")"
 
         def operand(t: Tensor) -> str:
             return f"{t.name}[{', '.join(axis(a) for a in t.axes)}]"
@@ -293,7 +318,9 @@ def assign_roles(data: Tensor, cores: Iterable[Tensor], result: Tensor,
         in_data = name in data_names
         in_result = name in result_names
         n_cores = in_cores[name]
-        if name in sources:
+        if is_unit(name):
+            roles[name] = Role.UNIT
+        elif name in sources:
             roles[name] = Role.SPATIAL_IN
         elif name in targets:
             roles[name] = Role.SPATIAL_OUT

@@ -19,7 +19,7 @@ import re
 from dataclasses import dataclass, replace
 from typing import Any, Sequence, Union
 
-from .ir import Network
+from .ir import Network, is_unit
 from .shapes import Size, axis_text
 
 
@@ -218,6 +218,8 @@ class Builder:
 
     def size(self, index: str) -> Size:
         """The symbol of an index's size: read from the data, or from the module's sizes."""
+        if is_unit(index):
+            return Size.of(1)
         if self.net.index(index).runtime:
             c = self.net.conv_of(index)  # an affine source h+kh-1 is read as h_in
             base = c.target + "_in" if c and index == c.source and not index.isidentifier() \
@@ -251,11 +253,21 @@ class Builder:
         """``holder`` permuted into ``order`` and reshaped to ``shape``, each only if needed."""
         layout = self.layout[holder]
         base = holder.name
-        if list(layout) != list(order):
-            perm = tuple(layout.index(i) for i in order)
+        # a core's unit axes (written 1) that ``order`` leaves out go last, where the reshape
+        # drops them
+        units = [k for k, i in enumerate(layout) if i not in order and is_unit(i)]
+        if [i for i in layout if i in order] != list(order):
+            perm = tuple(layout.index(i) for i in order) + tuple(units)
+            order = (*order, *(layout[k] for k in units))
             holder = self.call(base + "_p", ".permute", holder, *perm, layout=tuple(order),
                                dims=[self.dims[holder][p] for p in perm])
         return self.reshape_to(holder, order, shape, base + "_r")
+
+    def without_units(self, holder: Var | Param) -> Var | Param:
+        """``holder`` reshaped without its unit axes (a core's ``1``), where it has any."""
+        kept = [i for i in self.layout[holder] if not is_unit(i)]
+        return holder if len(kept) == len(self.layout[holder]) else \
+            self.reshape_to(holder, kept, [self.dim(holder, i) for i in kept], holder.name + "_s")
 
     def reshape_to(self, holder: Var | Param, layout: Sequence[str], shape: Shape,
                    base: str) -> Var | Param:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence, Union
 
 from .errors import SpecError
-from .ir import Conv, Network, Role, Tensor
+from .ir import Conv, Network, Role, Tensor, is_unit
 
 Atom = Union[str, "FloorDiv"]
 Monomial = tuple  # sorted tuple of atoms; () is the constant term
@@ -168,7 +168,9 @@ def conv_out(n, k, stride: int, dilation: int, padding, input_dilation: int = 1)
 
 def axis_text(axis: Sequence[str]) -> str:
     """An axis as the spec writes it: ``c`` or ``(c0 c1)``."""
-    return axis[0] if len(axis) == 1 else "(" + " ".join(axis) + ")"
+    if len(axis) == 1:
+        return "1" if is_unit(axis[0]) else axis[0]
+    return "(" + " ".join(axis) + ")"
 
 
 def shape_message(name: str, expected: Sequence[tuple[str, int | None]],

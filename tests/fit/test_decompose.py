@@ -12,6 +12,7 @@ from torch import nn
 import tnspec
 from tnspec import formats
 from tnspec.fit import als, decompose
+from tnspec.ir import without_units
 from tnspec.workflows.convert import merge, tensorize
 
 
@@ -276,7 +277,7 @@ def test_every_other_start_gives_a_many_bond_factor_its_subspace():
         assert ("A" in seeded) is (seed % 2 == 1)
         assert (outside(cores["A"]) < 1e-9) is (seed % 2 == 1)
     fmt = formats.build("tucker2", 32, 32, 3, padding=1, rank=0.2)
-    net = fmt.layer().network
+    net = without_units(fmt.layer().network)  # as fit sees it: U[r0, c], not U[r0, c, 1, 1]
     w = _instance(fmt, seed=0).double().reshape(decompose.layout(net).modes)
     stds = {c.name: 1.0 for c in net.cores}
     for seed in range(2):

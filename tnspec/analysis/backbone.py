@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..ir import Network
+from ..ir import Network, is_unit
 from .backward import backward
 
 
@@ -67,7 +67,7 @@ def backbone(net: Network, mode: str = "in", exact_stride: bool = False) -> Back
     kernels = {c.kernel: c for c in g.convs if c.kernel is not None}
     for v, core in enumerate(g.cores, 1):
         for i in core.indices:
-            if i not in g.output.indices:
+            if i not in g.output.indices and not is_unit(i):  # a unit axis sums 1 term
                 carriers.setdefault(i, [])
                 carriers[i].append(v)
     for i in carriers:

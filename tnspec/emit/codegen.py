@@ -24,7 +24,7 @@ from typing import Any, NamedTuple, Sequence
 
 from .._version import __version__
 from ..errors import SpecError
-from ..ir import Formula, Network
+from ..ir import Formula, Network, is_unit
 from ..program import Call, Namer, Program, reads
 from ..shapes import embedding_attributes, geometry, nn_attributes
 from ..analysis.init import CoreInit, activation_scale, core_inits
@@ -132,7 +132,8 @@ class _Class:
         lines.append(f"{i2}super().__init__()")
         for name, formula in net.derived:
             lines += wrap_line(f"{i2}{self.ctor(name)} = {_formula(formula, self.ctor)}")
-        items = [f"{n!r}: {self.ctor(n)}" for n in net.sizes if not net.index(n).runtime]
+        items = [f"{n!r}: {self.ctor(n)}" for n in net.sizes
+                 if not net.index(n).runtime and not is_unit(n)]
         lines += wrap_call(f"{i2}self.sizes = {{", items, "}")
         geo = geometry(net)
         if geo is not None or net.lookup:  # what code reads off nn.Conv2d / Linear / Embedding
@@ -141,7 +142,7 @@ class _Class:
             for key, value in attributes.items():
                 lines += wrap_line(f"{i2}self.{key} = {_code(value)}")
         for core in net.cores:
-            shape = [self.ctor(i) for i in core.indices] or ["()"]
+            shape = ["1" if is_unit(i) else self.ctor(i) for i in core.indices] or ["()"]
             if attr(core.name).startswith("self.") and core.name not in ("l", "O", "I"):
                 start, end = f"{i2}self.{core.name} = nn.Parameter(torch.empty(", "))"
             else:  # not an identifier, or a name pycodestyle finds ambiguous

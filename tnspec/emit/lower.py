@@ -188,7 +188,10 @@ class _Lowering(Products):
             out = self.conv(step, left, right, base, what)
         elif step.op == "linear":
             out = self.linear(step, left, right, base, what)
-        else:
+        elif (out := None if step.data_side else self.transposed(step, left, right, base,
+                                                                  what)) is None:
+            # a product: a core's unit axes go in a reshape (a conv takes them as stored)
+            left, right = self.without_units(left), self.without_units(right)
             if step.convs:  # relations of a unit kernel, run as channel mixing (rechoose)
                 step, left, right = self.identities(step, left, right)
             out = self.einsum(step, left, right, base, what)
@@ -380,7 +383,7 @@ def _uniform(values: list[int]) -> int | tuple[int, ...]:
 
 
 def _text(name: str, indices: Sequence[str]) -> str:
-    return f"{name}[{', '.join(indices)}]"
+    return f"{name}[{', '.join(axis_text((i,)) for i in indices)}]"
 
 
 def bias_shape(net: Network) -> tuple[int, ...]:

@@ -17,6 +17,7 @@ import math
 from dataclasses import replace
 from typing import Any, Sequence
 
+from ..ir import is_unit
 from ..program import Builder, Call, Node, Param, Var, reads
 from ..shapes import Size, axis_text
 from ..planning.plan import Step
@@ -116,6 +117,30 @@ class Products(Builder):
         flat = batch + free_a + free_b
         holder = self.reshape_to(merged, flat, [by_index[i] for i in flat], base + "_r")
         return self.arrange(holder, out, dims)
+
+    def transposed(self, step: Step, left: Var | Param, right: Var | Param, base: str,
+                   what: str) -> Var | None:
+        """A product of cores of which one is a 1x1 conv's weight stored with unit axes
+        (``U[r0, c, 1, 1]``), as one transposed conv of the two as stored: ``x[p, q, s...]``
+        by ``w[q, r, t...]``, the one's spatial axes or the other's all units, gives
+        ``[p, r, s... or t...]``; one op forward and one back for both gradients, where a
+        matrix product reshapes the 1x1 weight into a matrix each way. None where the
+        operands are not so (Tucker-2's kernel built first is: V into G, then U)."""
+        for x, w in ((left, right), (right, left)):
+            lx, lw = self.layout[x], self.layout[w]
+            units = [all(map(is_unit, lx[2:])), all(map(is_unit, lw[2:]))]
+            if not 3 <= len(lx) == len(lw) <= 5 or units[0] == units[1] or \
+                    lw[0] != lx[1] or lx[1] in step.result.indices or \
+                    set(step.result.indices) != {lx[0], lw[1], *(lw if units[0] else lx)[2:]}:
+                continue
+            spatial = (lw if units[0] else lx)[2:]
+            dims = [self.dim(x, lx[0]), self.dim(w, lw[1])] + \
+                [self.dim(w if units[0] else x, i) for i in spatial]
+            return self.call(base, f"F.conv_transpose{len(spatial)}d", x, w,
+                             layout=(lx[0], lw[1], *spatial), dims=dims,
+                             comment=f"the next step's weight by a transposed conv, "
+                                     f"{step.flops:,} FLOPs: {what}")
+        return None
 
     def matmul(self, step: Step, left: Var | Param, right: Var | Param, base: str,
                what: str) -> Var | None:

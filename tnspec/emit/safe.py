@@ -17,12 +17,14 @@ import re
 from typing import Any
 
 from ..errors import SpecError
-from ..ir import ACTIVATIONS, DISTRIBUTIONS, INITS, STRIDE_COUNTS, Network, Tensor, clashes
+from ..ir import (ACTIVATIONS, DISTRIBUTIONS, INITS, STRIDE_COUNTS, Network, Role, Tensor,
+                  clashes, is_unit)
 from ..program import (Bias, Call, CheckIndex, CheckShape, CompileCopy, Let, Param, Program,
                        Relayout, Require, Unflatten, Unpack, Var)
 from ..shapes import Size
 
 NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+UNIT = re.compile(r"1\.[A-Za-z_][A-Za-z0-9_]*\.[0-9]+\Z")  # a core's unit axis: ir.unit_name
 AFFINE = re.compile(r"[A-Za-z0-9_]+(?:[*+-][A-Za-z0-9_]+)*\Z")  # a conv side: 2*h+kh-1
 #: text of a generated f-string message: printable ASCII without quotes and backslashes
 TEXT = re.compile(r"[ !#-&(-\[\]-~]*\Z")
@@ -59,7 +61,8 @@ def _tensor(t: Any, what: str, sides: set[str]) -> None:
         raise SpecError(f"{what} {t.name}: axes {t.axes!r} are not tuples of index names",
                         hint=_HINT)
     for n in (*t.indices, *t.flipped):
-        _name(n, f"index of {t.name}", AFFINE if n in sides else NAME)
+        _name(n, f"index of {t.name}", AFFINE if n in sides else
+              UNIT if is_unit(n) and what == "core" else NAME)
 
 
 def network(net: Any) -> None:
@@ -89,7 +92,11 @@ def network(net: Any) -> None:
             raise SpecError(f"core name {t.name!r} clashes with an attribute of the generated "
                             "module", hint=f"rename it, e.g. {t.name.strip('_')}_w")
     for ix in net.indices:
-        _name(ix.name, "index", AFFINE if ix.name in sides else NAME)
+        _name(ix.name, "index", AFFINE if ix.name in sides else
+              UNIT if ix.role is Role.UNIT else NAME)
+        if (ix.role is Role.UNIT) != is_unit(ix.name) or ix.role is Role.UNIT and ix.size != 1:
+            raise SpecError(f"index {ix.name!r}: only a unit axis has role unit, and size 1",
+                            hint=_HINT)
         _int(ix.size, f"size of index {ix.name}", allow_none=True)
     known = [ix.name for ix in net.indices]
     used = [n for t in (net.input, *net.cores, net.output) for n in (*t.indices, *t.flipped)]

@@ -19,7 +19,7 @@ from torch import Tensor
 
 from ..errors import SpecError
 from ..progress import now
-from ..ir import Network, Role
+from ..ir import Network, Role, without_units
 from ..progress import Progress
 from ..shapes import geometry
 from ..analysis.init import core_inits
@@ -59,6 +59,11 @@ def layout(net: Network) -> DenseLayout:
 
 def dense_weight(net: Network, cores: Mapping[str, Tensor]) -> Tensor:
     """The dense weight of ``net`` with ``cores`` (by name), differentiable in them."""
+    plain = without_units(net)  # the cores' unit axes are no index of the contraction
+    if plain is not net:
+        cores = {c.name: cores[c.name].reshape([plain.sizes[i] for i in c.indices])
+                 for c in plain.cores}
+        net = plain
     lay = layout(net)
     operands: list = []
     for core in net.cores:
@@ -130,6 +135,12 @@ def fit(net: Network, weight: Tensor, *, max_iter: int = 200, tol: float = 1e-7,
     ``sweeps`` then bounds that start's ALS sweeps (default ``max_iter``): the refit moves
     the cores further than the last sweeps would, so a few are enough where time counts
     (``tnspec.compress`` runs 5)."""
+    plain = without_units(net)
+    if plain is not net:  # fitted without its cores' unit axes, which are put back
+        fitted = fit(plain, weight, max_iter=max_iter, tol=tol, starts=starts, hops=hops,
+                     max_seconds=max_seconds, metric=metric, sweeps=sweeps)
+        return {c.name: fitted[c.name].reshape([net.sizes[i] for i in c.indices])
+                for c in net.cores}
     lay = layout(net)
     if tuple(weight.shape) != lay.shape:
         raise SpecError(f"the weight has shape {tuple(weight.shape)}, the layer's dense weight "

@@ -14,7 +14,7 @@ from typing import Any, Mapping
 
 from ..errors import Span, SpecError
 from ..ir import (DEFAULT_MAX_ELEMENTS, MAX_CONV_DIMS, Conv, Index, Network, Options, Role,
-                  assign_roles, clashes)
+                  assign_roles, clashes, unit_name)
 from . import conv_edges
 from .nodes import Document, IndexNode, LayerNode, NetworkNode, OperandNode, SizeExpr
 from .settings import SizeBinder, read_options
@@ -113,6 +113,19 @@ class _Checker:
     # ---- sizes ------------------------------------------------------------------------------
 
     def network(self, net: NetworkNode, env: dict[str, int], options: Options) -> Network | None:
+        for node in (net.operands[0], net.output):
+            for ix in node.indices:
+                if ix.kind == "unit":
+                    self.error(f"unit axis {ix.text} in {node.name!r}: only cores hold unit axes",
+                               ix.span, "reshape the data instead, or name the axis")
+        for node in net.operands[1:]:
+            for ix in node.indices:
+                if ix.kind == "unit" and int(ix.text) != 1:
+                    self.error(f"axis {ix.text} of core {node.name!r}: the one number an axis "
+                               "can be is 1 (a unit axis)", ix.span,
+                               f"name the axis and give its size, e.g. {node.name}[..., k] "
+                               f"with k={ix.text}")
+        net = replace(net, operands=(net.operands[0], *map(_units_named, net.operands[1:])))
         data, *cores = net.operands
         result = net.output
         if not cores:
@@ -127,7 +140,8 @@ class _Checker:
             for ix in node.indices:
                 if ix.kind == "group":
                     self.error(f"group {ix.text} in core {node.name!r}: cores take single indices",
-                               ix.span, "write the indices separately, e.g. W[i0, i1, o]")
+                               ix.span, "write 1 for an axis of length 1" if not ix.names else
+                               "write the indices separately, e.g. W[i0, i1, o]")
         for node in (*cores, result):
             for ix in node.indices:
                 if ix.kind == "affine":
@@ -330,6 +344,8 @@ class _Checker:
                        f"onnect {n!r} to another core, or add it to the output")
 
     def index(self, name: str, role: Role, env: dict[str, int], net: NetworkNode) -> Index:
+        if role is Role.UNIT:
+            return Index(name, 1, role)
         size = env.get(name)
         on_core = name in self.core_names
         spatial = role in (Role.SPATIAL_IN, Role.SPATIAL_OUT)
@@ -357,6 +373,15 @@ class _Checker:
                         self.error(f"group {ix.text} has {len(unsized)} members without a size "
                                    f"({', '.join(unsized)})", ix.span,
                                    "give all but one of them a size; the last is inferred")
+
+
+def _units_named(node: OperandNode) -> OperandNode:
+    """A core with each unit axis (``1``) named as the IR names it (:func:`unit_name`)."""
+    if not any(ix.kind == "unit" for ix in node.indices):
+        return node
+    return replace(node, indices=tuple(
+        replace(ix, kind="name", names=(unit_name(node.name, k),)) if ix.kind == "unit" else ix
+        for k, ix in enumerate(node.indices)))
 
 
 def _formula(e: SizeExpr) -> tuple:

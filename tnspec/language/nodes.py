@@ -23,7 +23,8 @@ class Term:
 
 @dataclass(frozen=True)
 class IndexNode:
-    """An index as written: ``kind`` is "name" (``c``), "group" (``(i0 i1)``) or "affine"."""
+    """An index as written: ``kind`` is "name" (``c``), "group" (``(i0 i1)``), "affine" or
+    "unit" (``1``: an axis of length 1, no index)."""
 
     kind: str
     names: tuple[str, ...]

@@ -292,6 +292,8 @@ class _Builder:
             return IndexNode("name", (str(tree.children[0]),), (), text, span)
         if tree.data == "group":
             return IndexNode("group", tuple(str(t) for t in tree.children), (), text, span)
+        if tree.data == "unit":  # a core's axis of length 1, as einops writes it
+            return IndexNode("unit", (), (), text, span)
         # affine: either "INT * NAME" directly, or term (ADDOP term)+
         kids = tree.children
         if isinstance(kids[0], lark.Token) and kids[0].type == "INT" and len(kids) == 2:

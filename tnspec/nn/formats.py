@@ -6,7 +6,7 @@ Every function returns a :class:`Format`, a ``(spec, sizes)`` pair; ``fmt.layer(
 
     >>> fmt = tucker2(64, 64, 3, rank=16, padding=1)
     >>> fmt.spec
-    'x[b, c, h+kh-1, w+kw-1], U[r0, c], G[r1, r0, kh, kw], V[o, r1] -> y[b, o, h, w]'
+    'x[b, c, h+kh-1, w+kw-1], U[r0, c, 1, 1], G[r1, r0, kh, kw], V[o, r1, 1, 1] -> y[b, o, h, w]'
 
 Shared arguments: ``in_channels``/``out_channels`` (features for a linear layer);
 ``kernel_size`` (an int is a square 2-D kernel, a tuple gives 1-D to 3-D, ``()`` a linear layer);
@@ -270,10 +270,11 @@ def tucker2(in_channels: int, out_channels: int, kernel_size: IntOrTuple = (), *
             dilation: IntOrTuple = 1, groups: int = 1, in_modes: Modes = None,
             out_modes: Modes = None, phi: int | None = None, rank_multiple: int = 1) -> Format:
     """Tucker-2 (Kim et al. 2016): 1x1 reduction, a ``r0 -> r1`` conv core, 1x1 expansion.
-    Each core is laid out as its conv's weight, output index first (``U[r0, c]``,
-    ``G[r1, r0, kh, kw]``, ``V[o, r1]``), so that the layer's convs take them as stored: no
-    permute into the op's layout, no copy of their gradients back (14 ops a training step
-    against 23, the three ``nn.Conv2d`` written by hand 10). Arguments as :func:`build`."""
+    Each core is laid out as its conv's weight: output index first, a 1x1 factor of a conv
+    with a unit axis per kernel axis (``U[r0, c, 1, 1]``, ``G[r1, r0, kh, kw]``,
+    ``V[o, r1, 1, 1]``): the layer's convs take them as stored, with no view, permute or copy
+    (10 ops a training step, as the three ``nn.Conv2d`` written by hand; 23 before the
+    layout, 14 before the unit axes). Arguments as :func:`build`."""
     return build("tucker2", **_arguments(locals()))
 
 

@@ -19,7 +19,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-from ..ir import DEFAULT_MAX_BYTES, Network, Role
+from ..ir import DEFAULT_MAX_BYTES, Network, Role, is_unit
 from ..shapes import (bind_shape, check_shape, embedding_attributes, example_shape,
                       expected_axes, geometry, guard_bytes, lookup_shape, nn_attributes)
 from ..language.settings import positive_limit
@@ -71,10 +71,11 @@ class Layer(nn.Module):
         self.autotune = autotune
         self.network = network
         self.spec = network.spec
-        self.sizes = dict(network.sizes)
+        # the sizes the spec is given: a unit axis (1) has none
+        self.sizes = {i: n for i, n in network.sizes.items() if not is_unit(i)}
         self.planner, self.max_bytes = planner, max_bytes  # checked as set (Replans)
         for core in network.cores:
-            shape = tuple(self.sizes[i] for i in core.indices)
+            shape = tuple(network.sizes[i] for i in core.indices)
             self.register_parameter(core.name, nn.Parameter(
                 torch.empty(shape, dtype=dtype, device=device)))
         shape = bias_shape(network)
@@ -97,6 +98,17 @@ class Layer(nn.Module):
             self.__dict__.update(nn_attributes(geo, self.sizes.__getitem__))
         self._drop_code()
         self.reset_parameters()
+
+    def _load_from_state_dict(self, state_dict: dict, prefix: str, *args: Any,
+                              **kwargs: Any) -> None:
+        # a core saved without its unit axes loads (tucker2's 1x1 factors of a conv were 2-D)
+        for core in self.network.cores:
+            key, shape = prefix + core.name, getattr(self, core.name).shape
+            saved = state_dict.get(key)
+            if isinstance(saved, torch.Tensor) and saved.shape != shape and saved.shape == \
+                    tuple(n for n, i in zip(shape, core.indices) if not is_unit(i)):
+                state_dict[key] = saved.reshape(shape)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def _drop_code(self) -> None:
         """Forget the loaded code (it is planned again on the next call); name the layer for

@@ -39,10 +39,12 @@ def _tucker2(p: Parts, r: list[str]) -> list[list[str]]:
 
 
 def _tucker2_out_first(p: Parts, r: list[str]) -> list[list[str]]:
-    """Tucker-2 with each core's output index first, as a conv's weight is laid out: the
-    layer's ops take the cores as they are stored (a view for a 1x1 weight), with no permute
-    into the op's layout and no copy of the gradient back into the core's."""
-    return [r[:1] + p.ins, r[1:2] + r[:1] + p.ks, p.outs + r[1:2]]
+    """Tucker-2 with each core laid out as a conv's weight is: output index first, and the
+    1x1 factors of a conv with a unit axis (``1``) per kernel axis, so that the layer's three
+    convs take the cores as they are stored: no view, permute or copy of a core or of its
+    gradient (what ``nn.Conv2d`` weights cost, no more)."""
+    units = ["1"] * len(p.ks)
+    return [r[:1] + p.ins + units, r[1:2] + r[:1] + p.ks, p.outs + r[1:2] + units]
 
 
 def _tt(p: Parts, r: list[str]) -> list[list[str]]:
