@@ -237,9 +237,10 @@ def low_rank(in_channels: int, out_channels: int, kernel_size: IntOrTuple = (), 
              out_modes: Modes = None, phi: int | None = None, rank_multiple: int = 1) -> Format:
     """Two cores: input side (with the kernel) and output side, joined by one rank. Each is
     laid out output index first, as a conv's or linear's weight (and LoRA's ``A`` and ``B``)
-    is: ``U[r, c, kh, kw]``, ``V[o, r]``; the layer's two convs take them as stored (9 ops a
-    training step of a 3x3 conv layer, 15 with the factors the other way round; three
-    ``nn.Conv2d`` of Tucker-2 by hand 10). Arguments as :func:`build`."""
+    is: ``U[r, c, kh, kw]``, ``V[o, r, 1, 1]`` (a unit axis per kernel axis); the two convs
+    take them as stored (7 ops a training step of a 3x3 conv layer, 9 with ``V[o, r]``, 15
+    with the factors the other way round; Tucker-2's three ``nn.Conv2d`` by hand 10). Arguments
+    as :func:`build`."""
     return build("low_rank", **_arguments(locals()))
 
 
@@ -270,10 +271,9 @@ def tucker2(in_channels: int, out_channels: int, kernel_size: IntOrTuple = (), *
             dilation: IntOrTuple = 1, groups: int = 1, in_modes: Modes = None,
             out_modes: Modes = None, phi: int | None = None, rank_multiple: int = 1) -> Format:
     """Tucker-2 (Kim et al. 2016): 1x1 reduction, a ``r0 -> r1`` conv core, 1x1 expansion.
-    Each core is laid out as its conv's weight: output index first, a 1x1 factor of a conv
-    with a unit axis per kernel axis (``U[r0, c, 1, 1]``, ``G[r1, r0, kh, kw]``,
-    ``V[o, r1, 1, 1]``): the layer's convs take them as stored, with no view, permute or copy
-    (10 ops a training step, as the three ``nn.Conv2d`` written by hand; 23 before the
+    Each core is laid out as its conv's weight, a 1x1 factor with a unit axis per kernel axis
+    (``U[r0, c, 1, 1]``, ``G[r1, r0, kh, kw]``, ``V[o, r1, 1, 1]``): the convs take them as
+    stored (10 ops a training step, as three ``nn.Conv2d`` written by hand; 23 before the
     layout, 14 before the unit axes). Arguments as :func:`build`."""
     return build("tucker2", **_arguments(locals()))
 

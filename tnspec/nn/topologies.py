@@ -17,9 +17,10 @@ def _standard(p: Parts, r: list[str]) -> list[list[str]]:
 
 
 def _low_rank(p: Parts, r: list[str]) -> list[list[str]]:
-    """LoRA's layout, each factor output index first as a conv's or linear's weight is: the
+    """LoRA's layout, each factor output index first as a conv's or linear's weight is, the
+    second one of a conv with a unit axis per kernel axis (PEFT's ``lora_B`` of a conv): the
     layer's two convs (or linears) take them as stored."""
-    return [r + p.ins + p.ks, p.outs + r]
+    return [r + p.ins + p.ks, p.outs + r + ["1"] * len(p.ks)]
 
 
 def _cp(p: Parts, r: list[str]) -> list[list[str]]:
