@@ -73,6 +73,9 @@ def test_a_unit_axis_is_an_axis_of_the_core_and_no_index():
     assert "torch.empty(o, 1, c," in source and "'1." not in source
     # the init is the one of W[o, c]: a unit axis sums one term
     assert "0.5 * c) ** (-1 / 2)" in source
+    report = tnspec.explain(net)  # the core as written, the unit axes by core
+    assert "unit axes    W (1)" in report and "W        [o, 1, c]" in report
+    assert "1.W" not in report
 
 
 def test_a_1x1_conv_and_a_linear_take_a_core_with_unit_axes_as_stored(monkeypatch):

@@ -12,7 +12,7 @@ from typing import Sequence
 import torch
 
 from ..ir import Network, Role
-from ..shapes import bind_shape
+from ..shapes import axis_text, bind_shape
 from ..analysis.backbone import backbone
 from ..analysis.init import activation_scale, core_inits
 from .calibration import chooser, cost_model
@@ -27,7 +27,11 @@ def explain(net: Network, init: str | None = None, shape: Sequence[int] | None =
     out = [f"layer {net.name or '(inline)'}: {net.spec}", "", "indices by role:"]
     for role in Role:
         names = net.with_role(role)
-        if names:
+        if role is Role.UNIT and names:  # no index: say which cores hold them
+            holders = [c.name for c in net.cores for i in c.indices if i in names]
+            out.append(f"  {'unit axes':<12} " + ", ".join(
+                f"{c} ({holders.count(c)})" for c in dict.fromkeys(holders)))
+        elif names:
             out.append(f"  {role.value:<12} " + ", ".join(
                 f"{i}={sizes[i]}" if i in sizes else i for i in names))
     p = activation_scale(net.options)
@@ -51,7 +55,8 @@ def explain(net: Network, init: str | None = None, shape: Sequence[int] | None =
         out.append(f"{init}: {inits[0].why}")
     out += ["", f"std per core ({init}):"]
     for ci, core in zip(inits, net.cores):
-        out.append(f"  {core.name:<8} [{', '.join(core.indices)}]  std = {ci.std(sizes):.6g}")
+        axes = ", ".join(axis_text(a) for a in core.axes)
+        out.append(f"  {core.name:<8} [{axes}]  std = {ci.std(sizes):.6g}")
     params, dense = net.num_parameters, net.dense_parameters
     out += ["", f"parameters: {params:,} in {n} cores vs {dense:,} for the dense layer "
                 f"(compression {dense / max(params, 1):.1f}x)"]
