@@ -188,13 +188,13 @@ class _Lowering(Products):
             out = self.conv(step, left, right, base, what)
         elif step.op == "linear":
             out = self.linear(step, left, right, base, what)
-        elif (out := None if step.data_side else self.transposed(step, left, right, base,
-                                                                  what)) is None:
-            # a product: a core's unit axes go in a reshape (a conv takes them as stored)
-            left, right = self.without_units(left), self.without_units(right)
-            if step.convs:  # relations of a unit kernel, run as channel mixing (rechoose)
-                step, left, right = self.identities(step, left, right)
-            out = self.einsum(step, left, right, base, what)
+        else:  # a product; of a 1x1 weight stored with unit axes, maybe a transposed conv
+            out = None if step.data_side else self.transposed(step, left, right, base, what)
+            if out is None:  # else a core's unit axes go in a reshape
+                left, right = self.without_units(left), self.without_units(right)
+                if step.convs:  # relations of a unit kernel, run as channel mixing (rechoose)
+                    step, left, right = self.identities(step, left, right)
+                out = self.einsum(step, left, right, base, what)
         if not step.data_side:
             self.nodes[start:] = [replace(n, cores_only=True) if isinstance(n, Call) else n
                                   for n in self.nodes[start:]]
