@@ -277,11 +277,11 @@ class Builder:
             self.layout[holder] = tuple(layout)
             return holder
         source = self.reshaped.get(holder, holder) if isinstance(holder, Var) else holder
-        if source is not holder and isinstance(source, Var) and \
-                _same_shape(self.dims[source], list(shape)):
+        if source is not holder and _same_shape(self.dims[source], list(shape)):
             # reshaped back to what it was made as (a conv's channels split, then merged for
-            # the output): one view op fewer each way, and under torch.compile with dynamic
-            # shapes no guard that tnspec's size arithmetic equals the conv's
+            # the output; a core's unit axes reshaped away, then wanted again): one view op
+            # fewer each way, and under torch.compile with dynamic shapes no guard that
+            # tnspec's size arithmetic equals the conv's
             self.layout[source] = tuple(layout)
             return source
         out = self.call(base, ".reshape", source, *shape, layout=tuple(layout),

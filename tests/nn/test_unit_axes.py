@@ -144,3 +144,21 @@ def test_a_kernel_built_first_from_1x1_factors_is_two_transposed_convs(geometry)
     layer = tnspec.layer(grouped.spec, sizes=grouped.sizes, planner="dense-first")  # products
     assert "conv_transpose" not in layer.source((2, 8, 7, 7))
     compare(layer, torch.randn(2, 8, 7, 7))
+
+
+@pytest.mark.parametrize("init", ["graph-in", "kaiming-in", "xavier", "orthogonal"])
+def test_a_core_with_unit_axes_is_drawn_as_the_core_without_them(init):
+    """A unit axis is storage: every init draws the same numbers as for the core without it,
+    wherever the unit axes sit (an orthogonal core is drawn as the matrix it is without them,
+    not as ``(1, o * c)``)."""
+    sizes = dict(c=6, o=4, r=3)
+    plain = "x[b, c], U[r, c], W[o, r] -> y[b, o]"
+    for united in ("x[b, c], U[1, r, c], W[o, 1, r, 1] -> y[b, o]",
+                   "x[b, c], U[r, c, 1], W[1, 1, o, r] -> y[b, o]"):
+        torch.manual_seed(0)
+        a = tnspec.layer(plain, init=init, **sizes)
+        torch.manual_seed(0)
+        b = tnspec.layer(united, init=init, **sizes)
+        for name in ("U", "W"):
+            assert torch.equal(getattr(b, name).reshape(getattr(a, name).shape),
+                               getattr(a, name)), (init, united, name)

@@ -188,8 +188,12 @@ class _Class:
         net, i2, i3 = self.net, INDENT * 2, INDENT * 3
         inits = core_inits(net)
         names = Namer()
-        used = sorted({i for ci in inits for _, t in ci.terms for i in t},
-                      key=list(net.sizes).index)
+        # an orthogonal core with unit axes is drawn as the matrix it is without them
+        viewed = {ci.core: [i for i in c.indices if not is_unit(i)] for ci, c in
+                  zip(inits, net.cores)
+                  if ci.method == "orthogonal" and any(map(is_unit, c.indices))}
+        used = sorted({i for ci in inits for _, t in ci.terms for i in t} |
+                      {i for v in viewed.values() for i in v}, key=list(net.sizes).index)
         lines = [f"{INDENT}def reset_parameters(self) -> None:"]
         opts = net.options
         act = opts.activation if isinstance(opts.activation, str) else "scale"
@@ -212,7 +216,11 @@ class _Class:
         lines.append(f"{i2}with torch.no_grad():")
         for ci, core in zip(inits, net.cores):
             std = stds[(ci.terms, ci.exponent)]
-            lines.append(f"{i3}{_draw(ci, attr(ci.core), std, len(core.indices))}")
+            target, ndim = attr(ci.core), len(core.indices)
+            if viewed.get(ci.core):
+                ndim = len(viewed[ci.core])
+                target += f".view({', '.join(names('size:' + i, i) for i in viewed[ci.core])})"
+            lines.append(f"{i3}{_draw(ci, target, std, ndim)}")
         lines += [f"{i3}if self.bias is not None:", f"{i3}{INDENT}self.bias.zero_()"]
         return lines
 

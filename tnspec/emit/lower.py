@@ -25,7 +25,7 @@ from ..program import (Arg, Bias, Call, CheckShape, CompileCopy, Let, Param, Pro
 from ..shapes import Size, axis_text, conv_out, geometry
 from ..planning.lookup import LookupPlan, lower_lookup
 from ..planning.plan import Plan, Step
-from .products import Products, fold_unit_axes
+from .products import Products, fold_unit_axes, stored_cores
 
 
 def lower(plan: Plan, channels_last: bool = False, convert: bool = False,
@@ -338,7 +338,7 @@ class _Lowering(Products):
     def finish(self, data: str, result: str) -> Program:
         """Drop nodes whose result is unused; list the static sizes the rest read."""
         kept, used = prune(self.nodes, result)
-        kept = fold_unit_axes(kept)
+        kept, used = prune(stored_cores(fold_unit_axes(kept), self.dims), result)
         # comments name the variables the code has: a dropped reshape by what it reshaped
         gone = {n.out for n in self.nodes if isinstance(n, Call)} - \
             {n.out for n in kept if isinstance(n, Call)}

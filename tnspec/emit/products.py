@@ -378,3 +378,19 @@ def fold_unit_axes(nodes: list[Node]) -> list[Node]:
                 out[out.index(mul)] = replace(mul, out=node.out)
                 out.remove(node)
     return out
+
+
+def stored_cores(nodes: list[Node], dims: dict) -> list[Node]:
+    """A core reshaped to the shape it is stored in (its unit axes reshaped away, then put
+    back, as :func:`fold_unit_axes` does for CP's ``A[r, c, 1, 1]``) read as it is: one view
+    fewer forward and back. ``dims``: the shape of each core (``Builder.dims``)."""
+    same = {n.out: n.args[0] for n in nodes if isinstance(n, Call) and n.fn == ".reshape" and
+            isinstance(n.args[0], Param) and not n.kwargs and
+            tuple(Size.of(s) for s in n.args[1:]) == tuple(dims[n.args[0]])}
+
+    def swap(arg: Any) -> Any:
+        if isinstance(arg, Var):
+            return same.get(arg.name, arg)
+        return type(arg)(swap(a) for a in arg) if isinstance(arg, (tuple, list)) else arg
+    return [replace(n, args=swap(n.args), kwargs=swap(n.kwargs)) if isinstance(n, Call) else n
+            for n in nodes if not (isinstance(n, Call) and n.out in same)]

@@ -249,10 +249,10 @@ def cp(in_channels: int, out_channels: int, kernel_size: IntOrTuple = (), *,
        dilation: IntOrTuple = 1, groups: int = 1, in_modes: Modes = None,
        out_modes: Modes = None, phi: int | None = None, rank_multiple: int = 1) -> Format:
     """CP (Lebedev et al. 2015): one factor per mode and kernel axis, one rank hyperedge.
-    The rank comes first in each factor and the output index in the output one (``A[r, c]``,
-    ``B[r, kh]``, ``C[r, kw]``, ``D[o, r]``): each kernel the layer builds is one broadcast
-    multiply of two factors as stored, in the layout its conv reads (27 ops a training step of
-    a 64 -> 64 3x3 layer at 10%; 44 with the factors the other way round). Arguments as
+    Of a conv, the factors are laid out as its four convs read them (``A[r, c, 1, 1]``,
+    ``B[r, 1, kh, 1]``, ``C[r, 1, 1, kw]``, ``D[o, r, 1, 1]``): a kernel built first is a
+    broadcast multiply of two factors (21 ops a training step of a 64 -> 64 3x3 layer at 10%,
+    44 with the factors the other way round), the four convs' order their 13. Arguments as
     :func:`build`."""
     return build("cp", **_arguments(locals()))
 

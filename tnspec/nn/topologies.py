@@ -24,10 +24,14 @@ def _low_rank(p: Parts, r: list[str]) -> list[list[str]]:
 
 
 def _cp(p: Parts, r: list[str]) -> list[list[str]]:
-    """CP with the rank first in every factor but the output one, whose output index is first:
-    each of the layer's kernels is one broadcast multiply of two factors as stored, written
-    in the layout its conv reads (the convs' weights are output index first)."""
-    return [r + p.ins] + [r + [k] for k in p.ks] + [p.outs + r]
+    """CP of a conv laid out as the convs of Lebedev et al. read it: a 1x1 conv's weight
+    ``A[r, c, 1, 1]``, one depthwise conv's weight per kernel axis (``B[r, 1, kh, 1]``,
+    ``C[r, 1, 1, kw]``), a 1x1 conv's ``D[o, r, 1, 1]``: those four convs take the factors as
+    stored, and each kernel built first is one broadcast multiply of two of them (of a
+    linear: ``A[r, c]``, ``D[o, r]``)."""
+    n = len(p.ks)
+    kernels = [r + ["1"] + ["1"] * j + [k] + ["1"] * (n - 1 - j) for j, k in enumerate(p.ks)]
+    return [r + p.ins + ["1"] * n] + kernels + [p.outs + r + ["1"] * n]
 
 
 def _tucker(p: Parts, r: list[str]) -> list[list[str]]:
