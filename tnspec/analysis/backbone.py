@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..ir import Network, is_unit
+from ..ir import Network, without_units
 from .backward import backward
 
 
@@ -60,6 +60,7 @@ def backbone(net: Network, mode: str = "in", exact_stride: bool = False) -> Back
     """The backbone graph of ``net`` (mode "in") or of its backward network (mode "out")."""
     if mode not in ("in", "out"):
         raise ValueError(f"mode must be 'in' or 'out', not {mode!r}")
+    net = without_units(net)  # a unit axis sums one term
     g = net if mode == "in" else backward(net)
     sizes = net.sizes
     vertices = [g.input.name] + [c.name for c in g.cores]
@@ -67,7 +68,7 @@ def backbone(net: Network, mode: str = "in", exact_stride: bool = False) -> Back
     kernels = {c.kernel: c for c in g.convs if c.kernel is not None}
     for v, core in enumerate(g.cores, 1):
         for i in core.indices:
-            if i not in g.output.indices and not is_unit(i):  # a unit axis sums 1 term
+            if i not in g.output.indices:
                 carriers.setdefault(i, [])
                 carriers[i].append(v)
     for i in carriers:

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Mapping
 
 from ..errors import SpecError
-from ..ir import INITS, Network, Options, Role, is_unit
+from ..ir import INITS, Network, Options, Role, without_units
 from .backbone import backbone
 
 #: p_a = E[f(z)^2] / Var(z) for z ~ N(0, 1): the factor the activation applies to the variance
@@ -112,8 +112,8 @@ def core_inits(net: Network, init: str | None = None) -> tuple[CoreInit, ...]:
                               "naive: each core gets the dense layer's Kaiming fan-in variance")
                      for c in net.cores)
     # a unit axis is storage: the fans are those of the core without it
-    return tuple(_per_core(c.name, tuple(i for i in c.indices if not is_unit(i)), init, p,
-                           method) for c in net.cores)
+    return tuple(_per_core(c.name, c.indices, init, p, method)
+                 for c in without_units(net).cores)
 
 
 def _weights(net: Network) -> list[float]:

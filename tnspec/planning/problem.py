@@ -24,7 +24,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ..ir import MAX_CONV_DIMS, Conv, Network, Role, is_unit
+from ..ir import MAX_CONV_DIMS, Conv, Network, Role, without_units
 from .cost import Chooser, CostModel, Mixing
 
 #: bitmaps of at most this many indices are int64; more are Python ints in object arrays
@@ -99,7 +99,7 @@ class Problem:
         swap = {c.source: c.target for c in net.convs if c.kernel is None}
         data = tuple(swap.get(i, i) for i in net.input.indices)
         self.operands = [Operand(net.input.name, data)] + [  # a unit axis is no index
-            Operand(c.name, tuple(i for i in c.indices if not is_unit(i))) for c in net.cores]
+            Operand(c.name, c.indices) for c in without_units(net).cores]
         self.output = tuple(net.output.indices)
         self.output_position = {i: n for n, i in enumerate(self.output)}
         self.convs = tuple(c for c in net.convs if c.kernel is not None)
