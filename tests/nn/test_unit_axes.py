@@ -9,6 +9,7 @@ import re
 
 import pytest
 import torch
+from torch import nn
 
 import tnspec
 from tnspec import Role, SpecError
@@ -162,3 +163,30 @@ def test_a_core_with_unit_axes_is_drawn_as_the_core_without_them(init):
         for name in ("U", "W"):
             assert torch.equal(getattr(b, name).reshape(getattr(a, name).shape),
                                getattr(a, name)), (init, united, name)
+
+
+@pytest.mark.parametrize("fmt", ["low_rank", "cp", "tucker2"])
+def test_loading_a_wrong_unit_axis_core_leaves_the_model_as_it_was(fmt):
+    """The conv formats' cores hold unit axes: adapters whose state gives one of them another
+    shape are refused before anything is set; the model (values, requires_grad, a frozen
+    bias, a tied weight, the structure) is exactly as it was."""
+    from ..model_state import snapshot, unchanged
+
+    def net() -> nn.Module:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(),
+                              nn.Conv2d(8, 8, 3, padding=1), nn.ReLU(),
+                              nn.Conv2d(8, 8, 3, padding=1), nn.Conv2d(8, 8, 3, padding=1))
+        model[5].weight = model[4].weight  # tied (not adapted)
+        model[0].bias.requires_grad_(False)
+        return model
+    adapted, _ = tnspec.adapt(net(), fmt, rank=2, include=["0", "2"])
+    state = tnspec.adapter_state_dict(adapted)
+    key = next(k for k, v in state.items() if k.startswith("2.adapters.") and v.dim() == 4
+               and v.shape[-1] == 1 and v.shape[-2] == 1)  # a 1x1 factor: [., ., 1, 1]
+    state = {**state, key: torch.zeros(state[key].shape[1], state[key].shape[0])}
+    target = net()
+    before = snapshot(target)
+    with pytest.raises(tnspec.SpecError, match="layer '2'"):
+        tnspec.load_adapters(target, state, tnspec.adapter_config(adapted))
+    assert unchanged(before, target)
